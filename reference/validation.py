@@ -1,0 +1,221 @@
+"""Input validation shared by the oracle and the kernels (one function per operator).
+
+Each function raises `TypeError` (wrong type, rank or dtype) or `ValueError` (wrong value or size)
+naming the argument, before any kernel launch, and returns the host-side facts the callers need.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from reference.layouts import BlockMaskLayout, LocalStridedLayout
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class PagedBatch:
+    """Host-side view of a validated paged-attention call."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    num_pages: int
+    scale: float
+    seq_lens: list[int]  # context + new tokens, per sequence
+    query_starts: list[int]  # query_start_loc as a list, length num_seqs + 1
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    def query_len(self, b: int) -> int:
+        return self.query_starts[b + 1] - self.query_starts[b]
+
+
+def _tensor(name: str, x, rank: int, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != rank:
+        raise ValueError(f"{name} must have rank {rank}, got shape {tuple(x.shape)}")
+    if x.dtype not in dtypes:
+        names = ", ".join(str(d) for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({names}), got {x.dtype}")
+    return x
+
+
+def _same_device(**tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"all tensors must be on one device, got {devices}")
+
+
+def _check_cache(q, k_cache, v_cache) -> tuple[int, int, int]:
+    """Checks q against the caches; returns (num_kv_heads, page_size, num_pages)."""
+    _tensor("q", q, 3, SUPPORTED_DTYPES)
+    _tensor("k_cache", k_cache, 4, SUPPORTED_DTYPES)
+    _tensor("v_cache", v_cache, 4, SUPPORTED_DTYPES)
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} dtype {t.dtype} differs from q dtype {q.dtype}")
+    num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
+    if page_size < 1 or num_kv_heads < 1:
+        raise ValueError(
+            f"k_cache must be [num_pages, page_size>=1, num_kv_heads>=1, head_dim], "
+            f"got {tuple(k_cache.shape)}"
+        )
+    if q.shape[2] != head_dim or head_dim < 1:
+        raise ValueError(f"q head_dim {q.shape[2]} differs from k_cache head_dim {head_dim}")
+    if q.shape[1] < 1 or q.shape[1] % num_kv_heads:
+        raise ValueError(
+            f"q num_heads ({q.shape[1]}) must be a positive multiple of num_kv_heads ({num_kv_heads})"
+        )
+    return num_kv_heads, page_size, num_pages
+
+
+def _check_scale(scale, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return float(scale)
+
+
+def _check_layout(layout, num_heads: int, seq_lens: list[int]) -> None:
+    if layout is None:
+        return
+    if isinstance(layout, LocalStridedLayout):
+        layout.head_step(num_heads)  # raises on a shard that overruns num_heads_total
+        return
+    if not isinstance(layout, BlockMaskLayout):
+        raise TypeError(
+            f"layout must be None, LocalStridedLayout or BlockMaskLayout, got {type(layout).__name__}"
+        )
+    if layout.mask.shape[0] not in (1, num_heads):
+        raise ValueError(f"layout has {layout.mask.shape[0]} heads, expected 1 or {num_heads}")
+    needed = math.ceil(max(seq_lens, default=0) / layout.block_size)
+    if needed > layout.num_blocks:
+        raise ValueError(f"layout covers {layout.num_blocks} blocks, the longest sequence needs {needed}")
+
+
+def _check_block_tables(block_tables, seq_lens: list[int], page_size: int, num_pages: int) -> None:
+    if block_tables.shape[0] != len(seq_lens):
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows, expected {len(seq_lens)}")
+    pages_needed = [math.ceil(n / page_size) for n in seq_lens]
+    if max(pages_needed, default=0) > block_tables.shape[1]:
+        raise ValueError(
+            f"block_tables has {block_tables.shape[1]} columns, a sequence needs {max(pages_needed)} pages"
+        )
+    table = block_tables.cpu()
+    for b, n in enumerate(pages_needed):
+        used = table[b, :n]
+        if n and (int(used.min()) < 0 or int(used.max()) >= num_pages):
+            raise ValueError(f"block_tables[{b}] holds a page id outside [0, {num_pages})")
+
+
+def validate_paged_prefill(
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale=None, layout=None, return_lse=False
+) -> PagedBatch:
+    """Validates the arguments of `paged_prefill` (SPEC section 4)."""
+    num_kv_heads, page_size, num_pages = _check_cache(q, k_cache, v_cache)
+    _tensor("block_tables", block_tables, 2, (torch.int32,))
+    _tensor("seq_lens", seq_lens, 1, (torch.int32,))
+    _tensor("query_start_loc", query_start_loc, 1, (torch.int32,))
+    _same_device(
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
+    )
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    lens = seq_lens.tolist()
+    starts = query_start_loc.tolist()
+    if len(starts) != len(lens) + 1:
+        raise ValueError(
+            f"query_start_loc must have num_seqs + 1 = {len(lens) + 1} entries, got {len(starts)}"
+        )
+    if starts[0] != 0 or starts[-1] != q.shape[0]:
+        raise ValueError(
+            f"query_start_loc must start at 0 and end at num_tokens ({q.shape[0]}), "
+            f"got {starts[0]} .. {starts[-1]}"
+        )
+    for b in range(len(lens)):
+        q_len = starts[b + 1] - starts[b]
+        if q_len < 0:
+            raise ValueError(f"query_start_loc must be non-decreasing, it falls at index {b + 1}")
+        if lens[b] < q_len:
+            raise ValueError(f"seq_lens[{b}] ({lens[b]}) is smaller than its query count ({q_len})")
+    _check_block_tables(block_tables, lens, page_size, num_pages)
+    _check_layout(layout, q.shape[1], lens)
+    return PagedBatch(
+        num_heads=q.shape[1],
+        num_kv_heads=num_kv_heads,
+        head_dim=q.shape[2],
+        page_size=page_size,
+        num_pages=num_pages,
+        scale=_check_scale(scale, q.shape[2]),
+        seq_lens=lens,
+        query_starts=starts,
+    )
+
+
+def validate_paged_decode(
+    q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, layout=None, return_lse=False
+) -> PagedBatch:
+    """Validates the arguments of `paged_decode`: one query per sequence, seq_lens >= 1."""
+    _tensor("q", q, 3, SUPPORTED_DTYPES)
+    _tensor("seq_lens", seq_lens, 1, (torch.int32,))
+    if seq_lens.shape[0] != q.shape[0]:
+        raise ValueError(f"seq_lens has {seq_lens.shape[0]} entries, q has {q.shape[0]} sequences")
+    query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=seq_lens.device)
+    return validate_paged_prefill(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale=scale,
+        layout=layout,
+        return_lse=return_lse,
+    )
+
+
+def validate_write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Validates the arguments of `write_kv`: shapes, dtypes, slots in [-1, num_pages * page_size)."""
+    _tensor("k", k, 3, SUPPORTED_DTYPES)
+    _tensor("v", v, 3, SUPPORTED_DTYPES)
+    _tensor("k_cache", k_cache, 4, SUPPORTED_DTYPES)
+    _tensor("v_cache", v_cache, 4, SUPPORTED_DTYPES)
+    _tensor("slot_mapping", slot_mapping, 1, (torch.int64,))
+    _same_device(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
+    if v.shape != k.shape:
+        raise ValueError(f"v shape {tuple(v.shape)} differs from k {tuple(k.shape)}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}")
+    for name, t in (("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != k.dtype:
+            raise TypeError(f"{name} dtype {t.dtype} differs from k dtype {k.dtype}")
+    if k.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(
+            f"k is [num_tokens, {k.shape[1]}, {k.shape[2]}], the cache holds "
+            f"[.., {k_cache.shape[2]}, {k_cache.shape[3]}]"
+        )
+    if slot_mapping.shape[0] != k.shape[0]:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries, k has {k.shape[0]} tokens")
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    slots = slot_mapping.cpu()
+    if slots.numel() and (int(slots.min()) < -1 or int(slots.max()) >= num_slots):
+        raise ValueError(f"slot_mapping entries must lie in [-1, {num_slots})")
+    written = slots[slots >= 0]
+    if written.unique().numel() != written.numel():
+        raise ValueError("slot_mapping writes one slot twice")
