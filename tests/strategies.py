@@ -169,7 +169,7 @@ def local_strided_layouts(draw, num_heads: int, block_size: st.SearchStrategy[in
     offset = num_heads * draw(st.integers(0, shards - 1)) if shards > 1 else 0
     return LayoutSpec(
         kind="local_strided",
-        block_size=draw(block_size or block_sizes()),
+        block_size=draw(block_sizes() if block_size is None else block_size),
         local_blocks=draw(st.integers(1, 6)),
         vert_stride=draw(st.integers(1, 10)),
         homo_head=homo,
@@ -183,7 +183,7 @@ def block_mask_layouts(draw, block_size: st.SearchStrategy[int] | None = None):
     """Random block masks, empty rows included (density 0 empties every row)."""
     return LayoutSpec(
         kind="block_mask",
-        block_size=draw(block_size or block_sizes()),
+        block_size=draw(block_sizes() if block_size is None else block_size),
         density=draw(st.sampled_from((0.0, 0.15, 0.5, 0.85, 1.0))),
         mask_seed=draw(st.integers(0, 2**31 - 1)),
         shared_heads=draw(st.booleans()),
@@ -261,3 +261,28 @@ def attention_cases(
         layout=layout,
         spare_pages=draw(st.integers(0, 3)),
     )
+
+
+# Fuzz strategies
+
+# The campaign's caps, wider than the test profile's defaults (3 sequences, 96 tokens, 8 heads).
+# On the CPU the Triton interpreter pays per tile iteration, so its caps stay interpreter-sized.
+FUZZ_CAPS = {
+    "cpu": dict(max_seqs=4, max_seq_len=160, max_heads=8),
+    "cuda": dict(max_seqs=8, max_seq_len=2048, max_heads=32),
+}
+FUZZ_DECODE_SEQS = {"cpu": 8, "cuda": 32}
+
+
+def fuzz_attention_cases(
+    *,
+    device: str = "cpu",
+    decode: bool = False,
+    dtypes=tuple(DTYPES),
+    layout_kinds=("dense", "local_strided", "block_mask"),
+):
+    """`attention_cases` with the fuzz campaign's wider caps for `device` ("cpu" or "cuda")."""
+    caps = dict(FUZZ_CAPS[device])
+    if decode:
+        caps["max_seqs"] = FUZZ_DECODE_SEQS[device]
+    return attention_cases(**caps, decode=decode, dtypes=dtypes, layout_kinds=layout_kinds)
