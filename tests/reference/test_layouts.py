@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import reference as ref
+from tests.examples import examples
 from tests.strategies import block_sizes, local_strided_layouts
 
 
@@ -46,6 +47,7 @@ def causal_count(num_blocks: int) -> int:
     return num_blocks * (num_blocks + 1) // 2
 
 
+@examples(8)
 @given(st.integers(1, 6), st.integers(0, 20), st.data())
 def test_local_strided_block_mask(num_heads, num_blocks, data):
     layout = data.draw(local_strided_layouts(num_heads)).build(num_heads, 1)
@@ -72,6 +74,7 @@ def test_token_mask_named_edges(q_pos, k_len, block_size):
     check_token_mask(layout, 3, torch.tensor(q_pos), torch.arange(k_len))
 
 
+@examples(8)
 @given(block_sizes(), st.integers(1, 4), st.integers(1, 60), st.integers(0, 59), st.data())
 def test_token_mask_matches_blocks(block_size, num_heads, seq_len, context, data):
     context = min(context, seq_len - 1)
@@ -90,6 +93,7 @@ def check_token_mask(layout, num_heads, q_pos, k_pos):
                 assert bool(got[h, i, j]) == expected, (h, pq, pk)
 
 
+@examples(8)
 @given(st.integers(0, 24), st.integers(1, 4))
 def test_vert_stride_one_is_dense_causal(num_blocks, num_heads):
     layout = ref.LocalStridedLayout(4, local_blocks=1, vert_stride=1)
@@ -97,6 +101,7 @@ def test_vert_stride_one_is_dense_causal(num_blocks, num_heads):
     assert torch.equal(layout.block_mask(num_heads, num_blocks), expected)
 
 
+@examples(8)
 @given(st.integers(1, 20), st.integers(1, 25), st.integers(1, 6))
 def test_block_mask_layout_token_mask(num_blocks, window, block_size):
     mask = ref.sliding_window_block_mask(num_blocks, window)
@@ -111,6 +116,7 @@ def test_block_mask_layout_token_mask(num_blocks, window, block_size):
     assert torch.equal(got, expected.expand(2, -1, -1))
 
 
+@examples(8)
 @given(st.integers(1, 3), st.integers(0, 12), st.floats(0, 1), st.integers(0, 2**31 - 1))
 def test_random_block_mask(num_heads, num_blocks, density, seed):
     mask = ref.random_block_mask(num_heads, num_blocks, density, seed)

@@ -6,11 +6,13 @@ import torch
 from hypothesis import given
 
 import reference as ref
+from tests.examples import examples
 from tests.strategies import DTYPES, attention_cases, build_inputs
 
 CPU = torch.device("cpu")
 
 
+@examples(4)
 @given(attention_cases(dtypes=tuple(DTYPES), decode=True, max_seqs=4, max_seq_len=96))
 def test_paged_decode_equals_prefill_with_one_query(case):
     inputs = build_inputs(case, CPU)
@@ -22,6 +24,7 @@ def test_paged_decode_equals_prefill_with_one_query(case):
     assert out.dtype == inputs["q"].dtype and lse.dtype == torch.float32
 
 
+@examples(4)
 @given(attention_cases(dtypes=("float32",), decode=True, max_seqs=2, max_seq_len=64))
 def test_paged_decode_without_lse(case):
     inputs = build_inputs(dataclasses.replace(case), CPU)

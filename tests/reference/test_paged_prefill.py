@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import reference as ref
+from tests.examples import examples
 from tests.oracle import oracle_and_base
 from tests.strategies import DTYPES, AttentionCase, LayoutSpec, attention_cases, build_inputs
 
@@ -66,6 +67,7 @@ def sdpa_reference(inputs: dict, case: AttentionCase):
     return out, lse
 
 
+@examples(4)
 @given(attention_cases(dtypes=("float32",), max_seq_len=80))
 def test_paged_prefill_matches_sdpa(case):
     inputs = build_inputs(case, CPU)
@@ -98,6 +100,7 @@ def test_paged_prefill_hand_sized():
     torch.testing.assert_close(lse[0, 0], torch.tensor(math.log(1.0 + math.exp(1.0))))
 
 
+@examples(4)
 @given(attention_cases(dtypes=("float32",), max_seq_len=80))
 def test_prefill_with_context_equals_last_rows_of_full(case):
     inputs = build_inputs(dataclasses.replace(case, query_lens=case.seq_lens), CPU)
@@ -114,6 +117,7 @@ def test_prefill_with_context_equals_last_rows_of_full(case):
     torch.testing.assert_close(part_lse, full_lse[rows], rtol=0, atol=1e-6)
 
 
+@examples(4)
 @given(attention_cases(dtypes=("float32", "float16"), max_seq_len=64), st.integers(0, 2**31 - 1))
 def test_page_permutation_and_garbage_change_nothing(case, seed):
     inputs = build_inputs(case, CPU)
@@ -135,6 +139,7 @@ def test_page_permutation_and_garbage_change_nothing(case, seed):
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
 
 
+@examples(4)
 @given(attention_cases(dtypes=("float32",), layout_kinds=("local_strided",), max_seq_len=80))
 def test_vert_stride_one_equals_dense(case):
     inputs = build_inputs(
@@ -146,6 +151,7 @@ def test_vert_stride_one_equals_dense(case):
     assert torch.equal(sparse[0], dense[0]) and torch.equal(sparse[1], dense[1])
 
 
+@examples(4)
 @given(attention_cases(dtypes=("float32",), max_seq_len=64))
 def test_gqa_equals_repeated_kv_heads(case):
     inputs = build_inputs(case, CPU)
@@ -157,6 +163,7 @@ def test_gqa_equals_repeated_kv_heads(case):
     torch.testing.assert_close(lse2, lse, rtol=0, atol=1e-6)
 
 
+@examples(4)
 @given(st.integers(1, 16), st.integers(1, 3), st.integers(2, 6), st.integers(0, 2**31 - 1))
 def test_sparse_differs_from_dense_past_local_window(block_size, local_blocks, vert_stride, seed):
     seq_len = block_size * (local_blocks + vert_stride) + 1
@@ -181,6 +188,7 @@ def test_sparse_differs_from_dense_past_local_window(block_size, local_blocks, v
     assert (sparse - dense).abs().max() > 1e-3
 
 
+@examples(4)
 @given(attention_cases(dtypes=tuple(DTYPES), layout_kinds=("block_mask",), max_seq_len=64))
 def test_empty_rows_give_zero_and_neg_inf(case):
     inputs = build_inputs(case, CPU)

@@ -5,9 +5,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import reference as ref
+from tests.examples import examples
 from tests.strategies import DTYPES, page_sizes
 
 
+@examples(8)
 @given(
     page_sizes(),
     st.integers(1, 6),
