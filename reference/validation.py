@@ -112,11 +112,13 @@ def _check_block_tables(block_tables, seq_lens: list[int], page_size: int, num_p
         raise ValueError(
             f"block_tables has {block_tables.shape[1]} columns, a sequence needs {max(pages_needed)} pages"
         )
-    table = block_tables.cpu()
-    for b, n in enumerate(pages_needed):
-        used = table[b, :n]
-        if n and (int(used.min()) < 0 or int(used.max()) >= num_pages):
-            raise ValueError(f"block_tables[{b}] holds a page id outside [0, {num_pages})")
+    # One vectorised check (one host sync): every used entry lies in [0, num_pages).
+    needed = torch.tensor(pages_needed, dtype=torch.int64, device=block_tables.device)
+    used = torch.arange(block_tables.shape[1], device=block_tables.device).view(1, -1) < needed.view(-1, 1)
+    bad = used & ((block_tables < 0) | (block_tables >= num_pages))
+    if bool(bad.any()):
+        b = int(bad.any(dim=1).nonzero()[0])
+        raise ValueError(f"block_tables[{b}] holds a page id outside [0, {num_pages})")
 
 
 def validate_paged_prefill(
@@ -137,8 +139,8 @@ def validate_paged_prefill(
     )
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    lens = seq_lens.tolist()
-    starts = query_start_loc.tolist()
+    both = torch.cat([seq_lens, query_start_loc]).tolist()  # one host sync for both
+    lens, starts = both[: seq_lens.shape[0]], both[seq_lens.shape[0] :]
     if len(starts) != len(lens) + 1:
         raise ValueError(
             f"query_start_loc must have num_seqs + 1 = {len(lens) + 1} entries, got {len(starts)}"

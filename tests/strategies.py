@@ -286,3 +286,192 @@ def fuzz_attention_cases(
     if decode:
         caps["max_seqs"] = FUZZ_DECODE_SEQS[device]
     return attention_cases(**caps, decode=decode, dtypes=dtypes, layout_kinds=layout_kinds)
+
+
+# Kernel-test strategies (tests/kernels): cache-write cases.
+
+
+@dataclass(frozen=True)
+class WriteKVCase:
+    """One cache write: token count, cache geometry, dtype, share of padding (-1) slots, seed."""
+
+    seed: int
+    num_tokens: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    num_pages: int
+    dtype: str
+    pad_fraction: float
+
+
+@st.composite
+def write_kv_cases(draw, *, max_tokens: int = 48, dtypes=KERNEL_DTYPES):
+    """Cache writes over any page size, odd head dims and padding slots; tokens never exceed slots."""
+    page = draw(page_sizes())
+    num_pages = draw(st.integers(1, max(1, 2 * max_tokens // page + 1)))
+    return WriteKVCase(
+        seed=draw(st.integers(0, 2**31 - 1)),
+        num_tokens=draw(st.integers(0, min(max_tokens, page * num_pages))),
+        num_kv_heads=draw(st.integers(1, 3)),
+        head_dim=draw(st.sampled_from(HEAD_DIMS)),
+        page_size=page,
+        num_pages=num_pages,
+        dtype=draw(st.sampled_from(dtypes)),
+        pad_fraction=draw(st.sampled_from((0.0, 0.25, 1.0))),
+    )
+
+
+# Engine strategies
+
+ENGINE_VOCAB = 128  # engine.model.MODEL_CONFIGS["tiny"]["vocab_size"]
+ENGINE_SALTS = (None, "tenant-a", "tenant-b")
+ENGINE_BUDGETS = (16, 5, 37, 512)  # max_num_batched_tokens: tiny chunks to whole prompts
+ENGINE_ARRIVALS = (1, 0, 4, 0, 40)  # engine steps between two arrivals (40: the earlier ones are done)
+ENGINE_SPARE_PAGES = (1, 0, 3, 8, 256)  # pages beyond the largest request's need: pressure to plenty
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One request of a stream; it arrives `arrival_steps` engine steps after the previous one."""
+
+    prompt: tuple[int, ...]
+    max_tokens: int
+    cache_salt: str | None = None
+    arrival_steps: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStream:
+    """A request stream and the engine geometry it runs on (plain values, JSON-ready)."""
+
+    requests: tuple[EngineRequest, ...]
+    page_size: int
+    num_pages: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EngineStream":
+        d = dict(d)
+        d["requests"] = tuple(EngineRequest(**{**r, "prompt": tuple(r["prompt"])}) for r in d["requests"])
+        return cls(**d)
+
+
+def token_ids(vocab: int, min_size: int, max_size: int) -> st.SearchStrategy[list[int]]:
+    return st.lists(st.integers(0, vocab - 1), min_size=min_size, max_size=max_size)
+
+
+@st.composite
+def request_streams(
+    draw,
+    *,
+    vocab: int = ENGINE_VOCAB,
+    max_requests: int = 6,
+    max_prompt_len: int = 80,
+    max_new_tokens: int = 6,
+    page_sizes=(8, 16),
+    salts=ENGINE_SALTS,
+    budgets=ENGINE_BUDGETS,
+    spare_pages=ENGINE_SPARE_PAGES,
+):
+    """Streams with shared system prompts, repeated prompts, random suffixes and staggered arrivals.
+
+    The cache holds the largest request alone plus a drawn number of spare pages, so streams range
+    from constant preemption and eviction to no pressure at all.
+    """
+    page = draw(st.sampled_from(page_sizes))
+    systems = draw(st.lists(token_ids(vocab, page, 56), min_size=1, max_size=2))
+    requests: list[EngineRequest] = []
+    for _ in range(draw(st.integers(min(2, max_requests), max_requests))):
+        kind = draw(st.sampled_from(("system", "repeat", "random", "system")))
+        if kind == "repeat" and requests:
+            prompt = list(draw(st.sampled_from(requests)).prompt)
+        elif kind == "random":
+            prompt = draw(token_ids(vocab, 1, max_prompt_len))
+        else:
+            prompt = draw(st.sampled_from(systems)) + draw(token_ids(vocab, 1, 24))
+        requests.append(
+            EngineRequest(
+                prompt=tuple(prompt[:max_prompt_len]),
+                max_tokens=draw(st.integers(1, max_new_tokens)),
+                cache_salt=draw(st.sampled_from(salts)),
+                arrival_steps=draw(st.sampled_from(ENGINE_ARRIVALS)),
+            )
+        )
+    need = max(math.ceil((len(r.prompt) + r.max_tokens - 1) / page) for r in requests)
+    return EngineStream(
+        requests=tuple(requests),
+        page_size=page,
+        num_pages=need + draw(st.sampled_from(spare_pages)),
+        max_num_batched_tokens=draw(st.sampled_from(budgets)),
+        max_num_seqs=draw(st.sampled_from((4, 16, 2, 1))),
+    )
+
+
+def pool_prompts(page_size: int) -> st.SearchStrategy[list[int]]:
+    """Block-pool prompts over a 3-letter alphabet: page contents repeat, so prefixes collide often."""
+    return token_ids(3, 1, 4 * page_size + 1)
+
+
+# The tiny engine model's vocabulary (engine/model.py, MODEL_CONFIGS["tiny"]).
+TINY_VOCAB = 128
+
+
+@dataclass(frozen=True)
+class EngineCase:
+    """A request stream for the engine: prompts sharing prefixes, sent in rounds of `generate` calls.
+
+    `rounds[i]` lists the prompt indexes of the i-th `generate` call (repeats allowed, so a round can
+    hit pages cached by an earlier one); `salts[j]` is prompt j's cache_salt.
+    """
+
+    seed: int
+    page_size: int
+    num_pages: int
+    max_tokens: int
+    prompts: tuple[tuple[int, ...], ...]
+    salts: tuple[str | None, ...]
+    rounds: tuple[tuple[int, ...], ...]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EngineCase":
+        d = dict(d)
+        d["prompts"] = tuple(tuple(p) for p in d["prompts"])
+        d["rounds"] = tuple(tuple(r) for r in d["rounds"])
+        d["salts"] = tuple(d["salts"])
+        return cls(**d)
+
+
+@st.composite
+def engine_cases(draw, *, max_prompts: int = 5, max_len: int = 40, vocab: int = TINY_VOCAB):
+    """Prompts cut from a few shared stems plus private suffixes, in 1-3 rounds, over a cache whose
+    size ranges from just enough for the longest request (evictions, preemptions) to roomy."""
+    page = draw(st.sampled_from((1, 2, 3, 4, 8, 16)))
+    token = st.integers(0, vocab - 1)
+    stems = draw(st.lists(st.lists(token, min_size=1, max_size=max_len), min_size=1, max_size=3))
+    prompts = []
+    for _ in range(draw(st.integers(1, max_prompts))):
+        stem = stems[draw(st.integers(0, len(stems) - 1))]
+        cut = draw(st.integers(0, len(stem)))
+        prompt = stem[:cut] + draw(st.lists(token, min_size=0 if cut else 1, max_size=page + 3))
+        prompts.append(tuple(prompt))
+    max_tokens = draw(st.integers(1, 4))
+    indexes = st.integers(0, len(prompts) - 1)
+    rounds = draw(st.lists(st.lists(indexes, min_size=1, max_size=4), min_size=1, max_size=3))
+    longest = max(math.ceil((len(p) + max_tokens - 1) / page) for p in prompts)
+    return EngineCase(
+        seed=draw(st.integers(0, 2**31 - 1)),
+        page_size=page,
+        num_pages=longest + draw(st.sampled_from((0, 1, 3, 8, 64))),
+        max_tokens=max_tokens,
+        prompts=tuple(prompts),
+        salts=tuple(draw(st.sampled_from((None, None, "a", "b"))) for _ in prompts),
+        rounds=tuple(tuple(r) for r in rounds),
+    )

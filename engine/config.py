@@ -1,0 +1,82 @@
+"""Engine knobs in one place: `EngineConfig` validates every value when it is built."""
+
+from dataclasses import dataclass
+
+import torch
+
+BACKENDS = ("reference", "triton")
+DTYPES = ("float32", "float16", "bfloat16")
+DEFAULT_NUM_PAGES = 512
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+DEFAULT_MAX_NUM_SEQS = 16
+
+
+def _int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything an `LLM` is built from.
+
+    Args:
+        model (str):
+            A name of `engine.model.MODEL_CONFIGS`. Default: `"tiny"`.
+        page_size (int):
+            Tokens per KV-cache page, the prefix-cache unit. Default: `16`.
+        num_pages (int):
+            Pages in the KV cache (shared by all layers' caches). Default: `512`.
+        enable_prefix_caching (bool):
+            Automatic prefix caching (SPEC section 6). Default: `True`.
+        backend (str | None):
+            `"reference"` (the float64 oracle) or `"triton"` (the `kernels` module). Default: `None`,
+            `"triton"` when a GPU is present, else `"reference"` (the CPU interpreter is slow).
+        seed (int):
+            Seeds the weights, the prefix-hash seed and the sampler. Default: `0`.
+        max_num_batched_tokens (int):
+            Token budget of one step; longer prompts are prefilled in chunks. Default: `512`.
+        max_num_seqs (int):
+            Most sequences running at once. Default: `16`.
+        dtype (str | None):
+            Weights, activations and KV cache. Default: `None`, float32 on the CPU, bfloat16 on a GPU.
+        device (str | None):
+            Default: `None`, `"cuda"` when a GPU is present, else `"cpu"`.
+        record_logits (bool):
+            Keep each sampled step's full logits on the output (for equivalence tests). Default: `False`.
+    """
+
+    model: str = "tiny"
+    page_size: int = 16
+    num_pages: int = DEFAULT_NUM_PAGES
+    enable_prefix_caching: bool = True
+    backend: str | None = None
+    seed: int = 0
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    dtype: str | None = None
+    device: str | None = None
+    record_logits: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.model, str):
+            raise TypeError(f"model must be a str, got {type(self.model).__name__}")
+        _int("page_size", self.page_size, 1)
+        _int("num_pages", self.num_pages, 1)
+        _int("seed", self.seed, 0)
+        _int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _int("max_num_seqs", self.max_num_seqs, 1)
+        for name in ("enable_prefix_caching", "record_logits"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        if self.backend is None:
+            self.backend = "triton" if torch.cuda.is_available() else "reference"
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be None or one of {DTYPES}, got {self.dtype!r}")
+        if self.device is not None and not isinstance(self.device, str):
+            raise TypeError(f"device must be a str or None, got {type(self.device).__name__}")

@@ -1,0 +1,158 @@
+"""`LLM`: the public entry point of the engine (SPEC section 4.1)."""
+
+from engine.block_pool import BlockPool, pages_for
+from engine.config import EngineConfig
+from engine.model import ModelArgs
+from engine.model_runner import ModelRunner
+from engine.scheduler import Scheduler
+from engine.sequence import RequestOutput, SamplingParams, Sequence
+
+
+class LLM:
+    """A small serving engine with automatic prefix caching.
+
+    Args:
+        model (str):
+            A name of `engine.model.MODEL_CONFIGS`. Default: `"tiny"`.
+        page_size, num_pages, enable_prefix_caching, backend, seed, **options:
+            The fields of `engine.config.EngineConfig` (keyword-only), validated there.
+    Example:
+        >>> llm = LLM("tiny", backend="reference", num_pages=64)
+        >>> out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4))
+        >>> len(out[0].token_ids)
+        4
+    """
+
+    def __init__(self, model: str = "tiny", **options):
+        self.config = EngineConfig(model=model, **options)
+        self.args = ModelArgs.from_name(model)
+        cfg = self.config
+        self.pool = BlockPool(cfg.num_pages, cfg.page_size, cfg.seed, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(cfg, self.pool)
+        self.runner = ModelRunner(cfg, self.args)
+        self._next_id = 0
+        self._done: dict[int, Sequence] = {}
+
+    def _check_prompt(self, prompt, params: SamplingParams, cache_salt) -> list[int]:
+        if not isinstance(prompt, (list, tuple)):
+            raise TypeError(f"a prompt must be a list of token ids, got {type(prompt).__name__}")
+        if not prompt:
+            raise ValueError("a prompt must hold at least one token id")
+        vocab = self.args.vocab_size
+        if set(map(type, prompt)) != {int}:  # bool and other int subclasses are not token ids
+            bad = next(t for t in prompt if type(t) is not int)
+            raise TypeError(f"token ids must be ints, got {type(bad).__name__}")
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            bad = min(prompt) if min(prompt) < 0 else max(prompt)
+            raise ValueError(f"token id {bad} lies outside the vocabulary [0, {vocab})")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
+        # The last generated token's KV is never written.
+        needed = pages_for(len(prompt) + params.max_tokens - 1, self.config.page_size)
+        if needed > self.config.num_pages:
+            raise ValueError(
+                f"a prompt of {len(prompt)} tokens with max_tokens={params.max_tokens} needs {needed} pages, "
+                f"the whole cache has {self.config.num_pages}"
+            )
+        return list(prompt)
+
+    def add_request(self, prompt: list[int], params: SamplingParams | None = None, cache_salt=None) -> int:
+        """Queues one request (validated first) and returns its id."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        return self._add(self._check_prompt(prompt, params, cache_salt), params, cache_salt)
+
+    def _add(self, tokens: list[int], params: SamplingParams, cache_salt) -> int:
+        seq = Sequence(self._next_id, tokens, params, cache_salt)
+        self._next_id += 1
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling step and forward pass. Returns the requests that finished in it."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            if self.has_unfinished():
+                raise RuntimeError("the scheduler made no progress with requests pending")
+            return []
+        samples = self.runner.run(batch)
+        finished = self.scheduler.postprocess(batch, samples)
+        for seq in finished:
+            self._done[seq.seq_id] = seq
+        return [self._output(seq) for seq in finished]
+
+    def abort(self, request_ids) -> None:
+        """Drops unfinished requests and frees their pages."""
+        ids = set(request_ids)
+        for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+            if seq.seq_id in ids:
+                self.scheduler.finish(seq)
+
+    def generate(self, prompts, sampling_params: SamplingParams | None = None, *, cache_salt=None):
+        """Runs prompts to completion. Returns one RequestOutput per prompt, in order.
+
+        Args:
+            prompts (list[list[int]]): token ids, each in [0, vocab_size).
+            sampling_params (SamplingParams | None): Default: `None`, SamplingParams().
+            cache_salt (str | list[str | None] | None): one salt for all prompts, or one per prompt;
+                requests with different salts never share a cached page. Default: `None`.
+        Raises:
+            TypeError, ValueError: before anything is queued, for any bad prompt or argument.
+        """
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        salts = cache_salt if isinstance(cache_salt, (list, tuple)) else [cache_salt] * len(prompts)
+        if len(salts) != len(prompts):
+            raise ValueError(f"{len(salts)} cache salts for {len(prompts)} prompts")
+        checked = [self._check_prompt(p, params, s) for p, s in zip(prompts, salts, strict=True)]
+        ids = [self._add(p, params, s) for p, s in zip(checked, salts, strict=True)]
+        try:
+            while any(i not in self._done for i in ids):
+                self.step()
+        except BaseException:
+            self.abort(ids)
+            for i in ids:
+                self._done.pop(i, None)
+            raise
+        return [self._output(self._done.pop(i)) for i in ids]
+
+    def take_output(self, request_id: int) -> RequestOutput:
+        """The output of a finished request queued with `add_request`."""
+        return self._output(self._done.pop(request_id))
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.seq_id,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            token_ids=seq.output_token_ids,
+            logprobs=list(seq.logprobs),
+            num_cached_tokens=seq.num_cached_tokens or 0,
+            num_preemptions=seq.num_preemptions,
+            logits=list(seq.logits) if self.config.record_logits else None,
+        )
+
+    def stats(self) -> dict:
+        """Counters of SPEC section 6 (queries and hits in tokens), plus the cache's occupancy."""
+        s = self.pool.stats
+        return {
+            "prefix_cache_queries": s.queries,
+            "prefix_cache_hits": s.hits,
+            "prefix_cache_hit_rate": s.hits / s.queries if s.queries else 0.0,
+            "evictions": s.evictions,
+            "preemptions": s.preemptions,
+            "hash_collisions": s.collisions,
+            "num_pages": self.pool.num_pages,
+            "free_pages": self.pool.num_free_pages,
+            "cached_pages": self.pool.num_cached_pages,
+        }
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prefix; returns False (and changes nothing) while requests hold pages."""
+        return self.pool.reset()

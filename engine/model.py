@@ -1,0 +1,171 @@
+"""A seeded decoder with Phi-3-small's attention structure, and its named sizes.
+
+GQA, rotary position embeddings, LayerNorm (pre-norm), a GELU MLP, muP attention scale 1/head_dim,
+block-sparse attention (local + vertical stride, SPEC section 2.1) in every layer i with
+(i + 1) % 2 != 0 and dense causal attention in the others. Weights come from a seed; nothing is
+downloaded. The model knows nothing about pages: each layer hands q, k, v to an `attend` callable.
+"""
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+import reference
+
+# Query weights are scaled up so that, with the muP scale 1/head_dim, scores are O(1) at init:
+# attention then depends strongly on which keys are visible, and masking mistakes show.
+QUERY_GAIN = 2.0
+LOGIT_GAIN = 4.0
+
+MODEL_CONFIGS = {
+    "tiny": dict(
+        vocab_size=128,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        ffn_dim=128,
+        sparse_block_size=16,
+        local_blocks=2,
+        vert_stride=2,
+    ),
+    "phi3-small-attn": dict(
+        vocab_size=8192,
+        dim=4096,
+        n_layers=4,
+        n_heads=32,
+        n_kv_heads=8,
+        head_dim=128,
+        ffn_dim=8192,
+        sparse_block_size=64,
+        local_blocks=16,
+        vert_stride=8,
+    ),
+}
+
+
+@dataclass
+class ModelArgs:
+    """Sizes of the decoder; `scale` and the per-layer layouts are derived."""
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    sparse_block_size: int
+    local_blocks: int
+    vert_stride: int
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+    scale: float = field(init=False)
+
+    def __post_init__(self):
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        self.scale = 1.0 / self.head_dim  # muP
+
+    @classmethod
+    def from_name(cls, name: str) -> "ModelArgs":
+        if name not in MODEL_CONFIGS:
+            raise ValueError(f"unknown model {name!r}; known: {sorted(MODEL_CONFIGS)}")
+        return cls(**MODEL_CONFIGS[name])
+
+    def layout(self, layer: int):
+        """Block-sparse in layers with (layer + 1) % 2 != 0, dense (None) in the others."""
+        if (layer + 1) % 2 == 0:
+            return None
+        return reference.LocalStridedLayout(self.sparse_block_size, self.local_blocks, self.vert_stride)
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
+    """Rotate-half RoPE. x: [num_tokens, num_heads, head_dim]; positions: int64 [num_tokens]."""
+    half = x.shape[-1] // 2
+    inv_freq = base ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    # [num_tokens, 1, half]
+    angles = (positions.to(torch.float32)[:, None] * inv_freq[None, :]).unsqueeze(1)
+    cos, sin = angles.cos(), angles.sin()
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        q_size, kv_size = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+        self.attn_norm = nn.LayerNorm(args.dim, eps=args.norm_eps)
+        self.qkv = nn.Linear(args.dim, q_size + 2 * kv_size, bias=False)
+        self.out = nn.Linear(q_size, args.dim, bias=False)
+        self.mlp_norm = nn.LayerNorm(args.dim, eps=args.norm_eps)
+        self.up = nn.Linear(args.dim, args.ffn_dim, bias=False)
+        self.down = nn.Linear(args.ffn_dim, args.dim, bias=False)
+
+    def forward(self, h, positions, attend: Callable):
+        a = self.args
+        q_size, kv_size = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+        q, k, v = self.qkv(self.attn_norm(h)).split([q_size, kv_size, kv_size], dim=-1)
+        q = rotary(q.reshape(-1, a.n_heads, a.head_dim), positions, a.rope_base)
+        k = rotary(k.reshape(-1, a.n_kv_heads, a.head_dim), positions, a.rope_base)
+        o = attend(q, k, v.reshape(-1, a.n_kv_heads, a.head_dim).contiguous())
+        h = h + self.out(o.reshape(-1, q_size))
+        return h + self.down(nn.functional.gelu(self.up(self.mlp_norm(h))))
+
+
+class Decoder(nn.Module):
+    """Embedding, `n_layers` decoder layers, final LayerNorm and an untied LM head."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.n_layers))
+        self.norm = nn.LayerNorm(args.dim, eps=args.norm_eps)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.layouts = [args.layout(i) for i in range(args.n_layers)]
+
+    @torch.no_grad()
+    def init_weights(self, seed: int, device: torch.device, dtype: torch.dtype) -> "Decoder":
+        """Seeded N(0, 1/fan_in) weights drawn on `device`, queries and logits scaled up."""
+        gen = torch.Generator(device=device).manual_seed(seed)
+        q_size = self.args.n_heads * self.args.head_dim
+        self.to(device=device)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("norm.bias"):
+                p.zero_()
+            else:
+                std = 1.0 if name == "embed.weight" else 1.0 / math.sqrt(p.shape[1])
+                p.copy_(torch.randn(p.shape, generator=gen, device=device) * std)
+        for layer in self.layers:
+            layer.qkv.weight[:q_size].mul_(QUERY_GAIN * math.sqrt(self.args.head_dim))
+        self.lm_head.weight.mul_(LOGIT_GAIN)
+        return self.to(dtype=dtype)
+
+    @torch.no_grad()
+    def forward(self, input_ids, positions, attend: Callable, logits_index: torch.Tensor):
+        """Hidden states of all tokens; logits (float32) only at `logits_index`.
+
+        Args:
+            input_ids, positions: int64 [num_tokens].
+            attend: `attend(layer, q, k, v) -> [num_tokens, n_heads, head_dim]`.
+            logits_index: int64 [num_samples], rows whose next-token logits are wanted.
+        Returns:
+            float32 [num_samples, vocab_size].
+        """
+        h = self.embed(input_ids)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, positions, lambda q, k, v, i=i: attend(i, q, k, v))
+        return self.lm_head(self.norm(h[logits_index])).float()

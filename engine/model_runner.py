@@ -1,0 +1,170 @@
+"""Flattens a scheduled batch into paged-attention inputs, runs the model and samples.
+
+Per step, rows with one query token (decodes, and one-token prefill chunks) go first and are served
+by the backend's `paged_decode`; the other rows by `paged_prefill`. Every layer calls `write_kv`
+first, so attention reads every key, new or cached, through the block tables (SPEC section 4).
+"""
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.model import Decoder, ModelArgs
+from engine.sequence import Sequence
+
+BACKEND_MODULES = {"reference": "reference", "triton": "kernels"}
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSeq:
+    """A sequence and the number of its tokens computed this step (from `num_computed_tokens` on)."""
+
+    seq: Sequence
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the last token, so the step yields the sequence's next token."""
+        return self.seq.num_computed_tokens + self.num_tokens == len(self.seq.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """Paged-attention inputs of one step; the first `num_decode_tokens` rows are one-query rows.
+
+    slot_mapping: int64 [num_tokens]. decode_*: [num_decode] rows. prefill_*: the other rows, with
+    prefill_query_start_loc int32 [num_prefill + 1]. Block tables are int32, padded with page 0
+    (never read: the oracle and kernels read only cdiv(seq_len, page_size) entries).
+    """
+
+    slot_mapping: torch.Tensor
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor
+    decode_seq_lens: torch.Tensor
+    prefill_block_tables: torch.Tensor
+    prefill_seq_lens: torch.Tensor
+    prefill_query_start_loc: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    token_id: int
+    logprob: float
+    logits: torch.Tensor | None
+
+
+def load_backend(name: str):
+    """The module providing write_kv / paged_prefill / paged_decode (kernels imported lazily)."""
+    try:
+        return importlib.import_module(BACKEND_MODULES[name])
+    except ImportError as exc:
+        raise ImportError(f"backend {name!r} needs the {BACKEND_MODULES[name]!r} module: {exc}") from exc
+
+
+def _block_tables(rows: list[list[int]], device) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0) or 1
+    table = torch.zeros(len(rows), width, dtype=torch.int32)
+    for i, r in enumerate(rows):
+        table[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
+    return table.to(device)
+
+
+class ModelRunner:
+    """Owns the weights, the per-layer KV caches and the sampler's generator."""
+
+    def __init__(self, config: EngineConfig, args: ModelArgs):
+        self.config = config
+        self.args = args
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        default = "bfloat16" if self.device.type == "cuda" else "float32"
+        self.dtype = getattr(torch, config.dtype or default)
+        self.ops = load_backend(config.backend)
+        with self.device:  # build the layers on the device: no large CPU init for big configs
+            self.model = Decoder(args).init_weights(config.seed, self.device, self.dtype)
+        shape = (config.num_pages, config.page_size, args.n_kv_heads, args.head_dim)
+        self.kv_caches = [
+            tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2))
+            for _ in range(args.n_layers)
+        ]
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+
+    def prepare(self, batch: list[ScheduledSeq]):
+        """Flattens a batch ordered one-query rows first. Returns (input_ids, positions, metadata)."""
+        page = self.config.page_size
+        ids, positions, slots = [], [], []
+        tables, lens, starts = [], [], [0]
+        for item in batch:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            pos = torch.arange(start, start + item.num_tokens)
+            table = torch.tensor(seq.block_table, dtype=torch.int64)
+            ids.append(torch.tensor(seq.token_ids[start : start + item.num_tokens], dtype=torch.int64))
+            positions.append(pos)
+            slots.append(table[pos // page] * page + pos % page)
+            tables.append(seq.block_table)
+            lens.append(start + item.num_tokens)
+            starts.append(starts[-1] + item.num_tokens)
+        num_decode = next((i for i, item in enumerate(batch) if item.num_tokens != 1), len(batch))
+        dev = self.device
+        prefill_starts = [s - starts[num_decode] for s in starts[num_decode:]]
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slots).to(dev),
+            num_decode_tokens=num_decode,
+            decode_block_tables=_block_tables(tables[:num_decode], dev),
+            decode_seq_lens=torch.tensor(lens[:num_decode], dtype=torch.int32, device=dev),
+            prefill_block_tables=_block_tables(tables[num_decode:], dev),
+            prefill_seq_lens=torch.tensor(lens[num_decode:], dtype=torch.int32, device=dev),
+            prefill_query_start_loc=torch.tensor(prefill_starts, dtype=torch.int32, device=dev),
+        )
+        return torch.cat(ids).to(dev), torch.cat(positions).to(dev), meta
+
+    def attend(self, meta: AttentionMetadata, layer: int, q, k, v) -> torch.Tensor:
+        """write_kv, then paged_decode on the one-query rows and paged_prefill on the rest."""
+        k_cache, v_cache = self.kv_caches[layer]
+        layout, scale, nd = self.model.layouts[layer], self.args.scale, meta.num_decode_tokens
+        self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        parts = []
+        if nd:
+            parts.append(
+                self.ops.paged_decode(
+                    q[:nd].contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
+                    scale=scale, layout=layout,
+                )
+            )  # fmt: skip
+        if nd < q.shape[0]:
+            parts.append(
+                self.ops.paged_prefill(
+                    q[nd:].contiguous(), k_cache, v_cache, meta.prefill_block_tables, meta.prefill_seq_lens,
+                    meta.prefill_query_start_loc, scale=scale, layout=layout,
+                )
+            )  # fmt: skip
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def run(self, batch: list[ScheduledSeq]) -> list[Sample | None]:
+        """One forward pass over `batch`; a Sample for every row whose chunk reaches its last token."""
+        order = sorted(range(len(batch)), key=lambda i: batch[i].num_tokens != 1)  # stable
+        ordered = [batch[i] for i in order]
+        input_ids, positions, meta = self.prepare(ordered)
+        ends = torch.tensor([item.num_tokens for item in ordered]).cumsum(0) - 1
+        sampling = [j for j, item in enumerate(ordered) if item.samples]
+        logits = self.model(
+            input_ids,
+            positions,
+            lambda i, q, k, v: self.attend(meta, i, q, k, v),
+            ends[sampling].to(self.device),
+        )
+        samples: list[Sample | None] = [None] * len(batch)
+        for row, j in enumerate(sampling):
+            samples[order[j]] = self._sample(logits[row], ordered[j].seq.params.temperature)
+        return samples
+
+    def _sample(self, logits: torch.Tensor, temperature: float) -> Sample:
+        if temperature == 0.0:
+            token = int(torch.argmax(logits))
+            logprobs = torch.log_softmax(logits, dim=-1)
+        else:
+            logprobs = torch.log_softmax(logits / temperature, dim=-1)
+            token = int(torch.multinomial(logprobs.exp(), 1, generator=self.generator))
+        kept = logits.cpu() if self.config.record_logits else None
+        return Sample(token, float(logprobs[token]), kept)

@@ -1,0 +1,99 @@
+"""KV-cache write in Triton: scatter each token's K/V rows to its flat slot.
+
+spec: `reference.write_kv.write_kv`. Slot `page_id * page_size + offset`; -1 means "do not write".
+"""
+
+import triton
+import triton.language as tl
+
+from kernels._common import MIN_DOT
+from reference.validation import validate_write_kv
+
+NUM_WARPS = 4
+
+
+# Grid: (token,). Each program copies one token's [num_kv_heads, head_dim] K and V rows.
+@triton.jit(do_not_specialize=["page_size", "num_kv_heads", "head_dim"])
+def write_kv_kernel(
+    k,
+    v,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_kp,
+    stride_ks,
+    stride_kch,
+    stride_kcd,
+    stride_vp,
+    stride_vs,
+    stride_vch,
+    stride_vcd,
+    page_size,
+    num_kv_heads,
+    head_dim,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    i_t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping + i_t)
+    if slot >= 0:
+        page = slot // page_size
+        offset = slot % page_size
+        # [BLOCK_H, BLOCK_D]
+        o_h = tl.arange(0, BLOCK_H)
+        o_d = tl.arange(0, BLOCK_D)
+        m_hd = (o_h < num_kv_heads)[:, None] & (o_d < head_dim)[None, :]
+        o_src_k = i_t * stride_kt + o_h[:, None] * stride_kh + o_d[None, :] * stride_kd
+        o_src_v = i_t * stride_vt + o_h[:, None] * stride_vh + o_d[None, :] * stride_vd
+        o_dst_k = (
+            page * stride_kp + offset * stride_ks + o_h[:, None] * stride_kch + o_d[None, :] * stride_kcd
+        )
+        o_dst_v = (
+            page * stride_vp + offset * stride_vs + o_h[:, None] * stride_vch + o_d[None, :] * stride_vcd
+        )
+        tl.store(k_cache + o_dst_k, tl.load(k + o_src_k, mask=m_hd), mask=m_hd)
+        tl.store(v_cache + o_dst_v, tl.load(v + o_src_v, mask=m_hd), mask=m_hd)
+
+
+def write_kv(k, v, k_cache, v_cache, slot_mapping):
+    """Writes token t's K/V to slot `slot_mapping[t] = page_id * page_size + offset`, in place.
+
+    spec: `reference.write_kv.write_kv`.
+
+    Args:
+        k, v (torch.Tensor):
+            [num_tokens, num_kv_heads, head_dim].
+        k_cache, v_cache (torch.Tensor):
+            [num_pages, page_size, num_kv_heads, head_dim], k's dtype; written in place.
+        slot_mapping (torch.Tensor):
+            int64 [num_tokens]; -1 means "do not write" (padding). No slot appears twice.
+    Returns:
+        None.
+    """
+    validate_write_kv(k, v, k_cache, v_cache, slot_mapping)
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    write_kv_kernel[(num_tokens,)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        *k.stride(),
+        *v.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        page_size=k_cache.shape[1],
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)),
+        num_warps=NUM_WARPS,
+    )

@@ -1,0 +1,230 @@
+"""The block pool against the slow prefix-cache model, differentially (STYLE rule 17).
+
+`ModelPool` puts `reference.prefix_cache.PrefixCacheModel` behind the engine pool's interface, so the
+same scheduler (tests/engine/test_engine.py) can run on either one.
+"""
+
+import hashlib
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
+
+from engine import block_pool
+from engine.block_pool import BlockPool, PoolStats, pages_for
+from engine.sequence import SamplingParams, Sequence
+from reference.prefix_cache import PrefixCacheModel
+from tests.strategies import pool_prompts
+
+
+class ModelPool:
+    """The engine pool's interface (lookup / can_allocate / allocate / cache_full_pages / free /
+    reset / stats) over the reference model, which sees only token lists and salts."""
+
+    def __init__(self, num_pages: int, page_size: int, enable_caching: bool = True):
+        self.model = PrefixCacheModel(num_pages, page_size, enable_caching)
+        self.num_pages, self.page_size = num_pages, page_size
+        self.stats = PoolStats()
+
+    def _sync(self):
+        self.stats.queries, self.stats.hits = self.model.queries, self.model.hits
+        self.stats.evictions = self.model.evictions
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self.model.free_order())
+
+    @property
+    def num_cached_pages(self) -> int:
+        return len(self.model.page_of)
+
+    def lookup(self, seq) -> list[int]:
+        return self.model.lookup(seq.token_ids, seq.cache_salt)
+
+    def can_allocate(self, hits, num_new) -> bool:
+        return self.model.can_allocate(hits, num_new)
+
+    def allocate(self, hits, num_new, num_query_tokens=None) -> list[int]:
+        table = self.model.allocate(hits, num_new, num_query_tokens)
+        self._sync()
+        return table
+
+    def cache_full_pages(self, seq) -> None:
+        num_full = seq.num_computed_tokens // self.page_size
+        self.model.cache(seq.block_table, seq.token_ids, seq.cache_salt, seq.num_offered_pages, num_full)
+        seq.num_offered_pages = max(seq.num_offered_pages, num_full)
+
+    def free(self, block_table) -> None:
+        self.model.free(block_table)
+
+    def reset(self) -> bool:
+        return self.model.reset()
+
+    def check_invariants(self) -> None:
+        pass
+
+
+def cached_prefixes(pool: BlockPool) -> dict:
+    """The pool's hash map as the model keys it: (salt, token prefix) -> page id."""
+    out = {}
+    for page_id in pool.cached.values():
+        node, tokens = pool.pages[page_id].key.node, []
+        while node.parent is not None:
+            tokens[:0] = node.token_ids
+            node = node.parent
+        out[(node.extra_keys[0], tuple(list(node.token_ids) + tokens))] = page_id
+    return out
+
+
+class PoolVsModel(RuleBasedStateMachine):
+    """Random allocate / append / free / lookup / reset on both; they must agree exactly."""
+
+    seqs = Bundle("seqs")
+
+    @initialize(page_size=st.integers(1, 4), num_pages=st.integers(2, 10), caching=st.booleans())
+    def setup(self, page_size, num_pages, caching):
+        self.page = page_size
+        self.pool = BlockPool(num_pages, page_size, seed=7, enable_caching=caching or page_size > 2)
+        self.model = PrefixCacheModel(num_pages, page_size, self.pool.enable_caching)
+        self.next_id = 0
+
+    def _compute(self, seq: Sequence, first_offered: int) -> None:
+        seq.num_computed_tokens = len(seq.token_ids)
+        self.pool.cache_full_pages(seq)
+        self.model.cache(seq.block_table, seq.token_ids, seq.cache_salt, first_offered, len(seq) // self.page)
+
+    @rule(target=seqs, data=st.data(), salt=st.sampled_from((None, "s")))
+    def start(self, data, salt):
+        tokens = data.draw(pool_prompts(self.page))
+        seq = Sequence(self.next_id, tokens, SamplingParams(), salt)
+        self.next_id += 1
+        hits = self.pool.lookup(seq)
+        assert hits == self.model.lookup(tokens, salt)
+        need = pages_for(len(tokens), self.page) - len(hits)
+        can = self.pool.can_allocate(hits, need)
+        assert can == self.model.can_allocate(hits, need)
+        if not can:
+            return None
+        seq.block_table = self.pool.allocate(hits, need, num_query_tokens=len(tokens))
+        assert seq.block_table == self.model.allocate(hits, need, num_query_tokens=len(tokens))
+        seq.num_offered_pages = len(hits)
+        self._compute(seq, len(hits))
+        return seq
+
+    @rule(seq=seqs, data=st.data())
+    def append(self, seq, data):
+        if seq is None or not seq.block_table:
+            return
+        extra = data.draw(pool_prompts(self.page))
+        need = pages_for(len(seq) + len(extra), self.page) - len(seq.block_table)
+        can = self.pool.can_allocate([], need)
+        assert can == self.model.can_allocate([], need)
+        if can:
+            new = self.pool.allocate([], need)
+            assert new == self.model.allocate([], need)
+            seq.block_table += new
+            seq.token_ids += extra
+            first = seq.num_offered_pages
+            self._compute(seq, first)
+
+    @rule(seq=consumes(seqs))
+    def free(self, seq):
+        if seq is None or not seq.block_table:
+            return
+        self.pool.free(seq.block_table)
+        self.model.free(seq.block_table)
+        seq.block_table = []
+
+    @rule(data=st.data(), salt=st.sampled_from((None, "s")))
+    def lookup(self, data, salt):
+        tokens = data.draw(pool_prompts(self.page))
+        seq = Sequence(-1, tokens, SamplingParams(), salt)
+        assert self.pool.lookup(seq) == self.model.lookup(tokens, salt)
+
+    @rule()
+    def reset(self):
+        assert self.pool.reset() == self.model.reset()
+
+    @invariant()
+    def agree(self):
+        if not hasattr(self, "pool"):
+            return
+        self.pool.check_invariants()
+        # The eviction order, reverse-free tie-break included, is compared exactly.
+        assert list(self.pool.lru) == self.model.free_order()
+        assert cached_prefixes(self.pool) == self.model.cached_prefixes()
+        s = self.pool.stats
+        assert (s.queries, s.hits, s.evictions) == (self.model.queries, self.model.hits, self.model.evictions)
+
+
+TestPoolVsModel = PoolVsModel.TestCase
+# Cheap (no model): many more runs than the profile's default.
+TestPoolVsModel.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+
+
+def test_block_pool_hash_is_chained_and_salted():
+    a = block_pool.hash_page(b"p" * 32, (1, 2, 3), ("salt",))
+    assert a == block_pool.hash_page(b"p" * 32, (1, 2, 3), ("salt",))
+    assert len({a, block_pool.hash_page(b"q" * 32, (1, 2, 3), ("salt",))}) == 2
+    assert len({a, block_pool.hash_page(b"p" * 32, (1, 2, 3), (None,))}) == 2
+    assert len({a, block_pool.hash_page(b"p" * 32, (1, 2, 3), ())}) == 2
+    # The encoding is canonical: the boundary between token ids and extra keys cannot shift.
+    assert block_pool.hash_page(b"", (1,), ()) != block_pool.hash_page(b"", (), (1,))
+    assert (
+        a
+        == hashlib.sha256(
+            b"p" * 32
+            + (3).to_bytes(8, "little")
+            + b"".join(t.to_bytes(8, "little", signed=True) for t in (1, 2, 3))
+            + (1).to_bytes(8, "little")
+            + b"S"
+            + (4).to_bytes(8, "little")
+            + b"salt"
+        ).digest()
+    )
+    assert block_pool.engine_seed_hash(0) != block_pool.engine_seed_hash(1)
+
+
+def test_block_pool_collision_caught_by_token_check(monkeypatch):
+    monkeypatch.setattr(block_pool, "hash_page", lambda parent, tokens, extra: b"\0" * 32)
+    pool = BlockPool(num_pages=8, page_size=2)
+    a = Sequence(0, [1, 1, 5], SamplingParams())
+    a.block_table = pool.allocate([], 2)
+    a.num_computed_tokens = 3
+    pool.cache_full_pages(a)
+    # [1, 1] at page 1 has the same hash and the same page tokens, but another parent.
+    b = Sequence(1, [1, 1, 1, 1, 5], SamplingParams())
+    assert pool.lookup(b) == [a.block_table[0]]
+    c = Sequence(2, [2, 2, 1, 1, 5], SamplingParams())
+    assert pool.lookup(c) == []
+    assert pool.stats.collisions == 2  # b's second page, then c's first
+
+
+def test_block_pool_free_is_reverse_and_lru_is_touched():
+    pool = BlockPool(num_pages=4, page_size=2)
+    table = pool.allocate([], 3)
+    assert table == [0, 1, 2]
+    pool.free(table)
+    assert list(pool.lru) == [3, 2, 1, 0]
+    with pytest.raises(RuntimeError):
+        pool.free([0])
+    assert not pool.can_allocate([], 5)
+
+
+def test_block_pool_touch_before_allocate():
+    """The hit sits early in the free queue: it must be touched out of it, not handed out again."""
+    pool = BlockPool(num_pages=3, page_size=2)
+    a = Sequence(0, [1, 2, 3], SamplingParams())
+    a.block_table = pool.allocate([], 2)
+    a.num_computed_tokens = 3
+    pool.cache_full_pages(a)
+    pool.free(a.block_table[:1])
+    pool.free(a.block_table[1:])
+    assert list(pool.lru) == [2, 0, 1]  # page 0 holds the cached [1, 2]
+    b = Sequence(1, [1, 2, 9, 9, 9], SamplingParams())
+    hits = pool.lookup(b)
+    assert hits == [0] and pool.can_allocate(hits, 2) and not pool.can_allocate(hits, 3)
+    assert pool.allocate(hits, 2) == [0, 2, 1]
+    assert pool.stats.evictions == 0 and pool.num_cached_pages == 1
+    pool.check_invariants()
