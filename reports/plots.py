@@ -1,0 +1,50 @@
+"""PNG curves of the accuracy report (reports/accuracy.py): error against one swept quantity."""
+
+import math
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+FIGSIZE = (10, 3.6)
+DPI = 80
+BASE_STYLE = dict(color="black", linestyle="--", marker="x")
+
+
+def _positive(values):
+    """Log axes cannot show 0 or inf: such points are dropped (the JSON twin keeps them)."""
+    return [v if isinstance(v, (int, float)) and 0 < v < math.inf else math.nan for v in values]
+
+
+def error_curves(path, *, title: str, xlabel: str, xs, series: dict, base: list, footnote: str, logx=False):
+    """Two panels: max |out - ref| (with the same-dtype oracle `base` dashed) and its ratio to base.
+
+    Args:
+        series: label -> list of (max_err, ratio_to_base) per x, None where the backend did not run.
+        base: max |base - ref| per x.
+    """
+    fig, (ax_err, ax_ratio) = plt.subplots(1, 2, figsize=FIGSIZE, dpi=DPI)
+    ax_err.plot(xs, _positive(base), label="oracle in dtype (base)", **BASE_STYLE)
+    for label, points in series.items():
+        if not any(points):
+            continue
+        errs = [p[0] if p else None for p in points]
+        ratios = [p[1] if p else None for p in points]
+        ax_err.plot(xs, _positive(errs), marker="o", label=label)
+        ax_ratio.plot(xs, _positive(ratios), marker="o", label=label)
+    ax_ratio.axhline(2.0, color="red", linewidth=0.8, linestyle=":", label="tolerance factor (2x base)")
+    ax_err.set_ylabel("max |out - ref|")
+    ax_ratio.set_ylabel("max err / base max err")
+    for ax in (ax_err, ax_ratio):
+        ax.set_xlabel(xlabel)
+        ax.set_yscale("log")
+        if logx:
+            ax.set_xscale("log", base=2)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.text(0.01, 0.01, footnote, fontsize=7, color="gray")
+    fig.tight_layout(rect=(0, 0.04, 1, 0.95))
+    fig.savefig(path)
+    plt.close(fig)
