@@ -116,6 +116,14 @@ def ceil_to(a: int, b: int) -> int:
     return cdiv(a, b) * b
 
 
+def page_size_constexpr(page_size: int, block_n: int) -> int:
+    """The PAGE_SIZE_C kernel argument: page_size when it is a power of two below block_n (a tile
+    spans whole pages; at most log2(block_n) compiled variants), else 0 (runtime division)."""
+    if page_size < block_n and page_size & (page_size - 1) == 0:
+        return page_size
+    return 0
+
+
 @triton.jit
 def layout_allowed(
     q_pos,
@@ -161,23 +169,32 @@ def kv_row_offsets(
     stride_tok,
     BLOCK_N: tl.constexpr,
     PAGE_ALIGNED: tl.constexpr,
+    PAGE_SIZE_C: tl.constexpr,
     MASKED: tl.constexpr,
 ):
     """Cache offsets of key positions o_n = n_start + arange(BLOCK_N), read through a block-table row.
 
     PAGE_ALIGNED (page_size a multiple of BLOCK_N, n_start a multiple of BLOCK_N): one page per tile,
     one table entry. Otherwise every position looks up its own page; with MASKED, entries of
-    positions outside m_k (past the sequence) are never read.
+    positions outside m_k (past the sequence) are never read. PAGE_SIZE_C is page_size as a
+    constexpr when it is a power of two below BLOCK_N (0 otherwise): the per-position page index and
+    row become a shift and a mask instead of a runtime integer division and modulo.
     """
     if PAGE_ALIGNED:
         page = tl.load(p_bt + n_start // page_size).to(tl.int64)
         return page * stride_page + ((n_start % page_size) + tl.arange(0, BLOCK_N)) * stride_tok
     else:
-        if MASKED:
-            page = tl.load(p_bt + o_n // page_size, mask=m_k, other=0).to(tl.int64)
+        if PAGE_SIZE_C != 0:
+            i_page = o_n // PAGE_SIZE_C
+            i_row = o_n % PAGE_SIZE_C
         else:
-            page = tl.load(p_bt + o_n // page_size).to(tl.int64)
-        return page * stride_page + (o_n % page_size) * stride_tok
+            i_page = o_n // page_size
+            i_row = o_n % page_size
+        if MASKED:
+            page = tl.load(p_bt + i_page, mask=m_k, other=0).to(tl.int64)
+        else:
+            page = tl.load(p_bt + i_page).to(tl.int64)
+        return page * stride_page + i_row * stride_tok
 
 
 @triton.jit
@@ -210,6 +227,7 @@ def attend_tile(
     head_step,
     BLOCK_N: tl.constexpr,
     PAGE_ALIGNED: tl.constexpr,
+    PAGE_SIZE_C: tl.constexpr,
     MASKED: tl.constexpr,
     EVEN_D: tl.constexpr,
     LAYOUT: tl.constexpr,
@@ -224,13 +242,29 @@ def attend_tile(
     o_n = n_start + tl.arange(0, BLOCK_N)
     m_k = o_n < seq_len
     o_row = kv_row_offsets(
-        p_bt, n_start, o_n, m_k, page_size, stride_page, stride_tok, BLOCK_N, PAGE_ALIGNED, MASKED
+        p_bt,
+        n_start,
+        o_n,
+        m_k,
+        page_size,
+        stride_page,
+        stride_tok,
+        BLOCK_N,
+        PAGE_ALIGNED,
+        PAGE_SIZE_C,
+        MASKED,
     )
     # [HEAD_DIM_PAD, BLOCK_N]
     p_k = p_k_base + o_row[None, :] + o_d[:, None] * stride_d
     # [BLOCK_N, HEAD_DIM_PAD]
     p_v = p_v_base + o_row[:, None] + o_d[None, :] * stride_d
-    if MASKED:
+    # With EVEN_D the head-dim mask is left out: m_d compares against the runtime head_dim, so the
+    # compiler cannot prove it constant along the contiguous dim and would split the loads into
+    # scalar (2-byte) loads, which also defeats the asynchronous-copy pipeline.
+    if MASKED and EVEN_D:
+        b_k = tl.load(p_k, mask=m_k[None, :], other=0.0)
+        b_v = tl.load(p_v, mask=m_k[:, None], other=0.0)
+    elif MASKED:
         b_k = tl.load(p_k, mask=m_k[None, :] & m_d[:, None], other=0.0)
         b_v = tl.load(p_v, mask=m_k[:, None] & m_d[None, :], other=0.0)
     elif EVEN_D:

@@ -24,6 +24,7 @@ from kernels._common import (
     interpreted,
     layout_allowed,
     padded_head_dim,
+    page_size_constexpr,
     positive_scale,
     scores_in_float64,
 )
@@ -31,9 +32,10 @@ from reference.validation import validate_paged_decode
 
 # (BLOCK_N, num_warps, num_stages) of the split kernel.
 CONFIG_INTERPRETER = (32, 4, 1)
-CONFIG_GPU = (64, 4, 3)
+# Sweep winner on the H200 (docs/kernels-notes.md): 2 warps and 16 programs per SM beat 4 and 8.
+CONFIG_GPU = (64, 2, 3)
 # Splits: enough programs to fill the GPU, but no split shorter than MIN_SPLIT_KEYS keys.
-PROGRAMS_PER_SM = 8
+PROGRAMS_PER_SM = 16
 MIN_SPLIT_KEYS = 256
 # Under the interpreter, a few splits even for short sequences, so that empty splits are exercised.
 SPLITS_INTERPRETER = 3
@@ -101,6 +103,7 @@ def paged_decode_split_kernel(
     EVEN_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGE_ALIGNED: tl.constexpr,
+    PAGE_SIZE_C: tl.constexpr,
     LAYOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     SCORES_F64: tl.constexpr,
@@ -147,14 +150,14 @@ def paged_decode_split_kernel(
                 b_q, b_m, b_l, b_acc, q_pos, n, seq_len, p_k_base, p_v_base, p_bt, page_size,
                 stride_page, stride_tok, stride_d, o_d, m_d, qk_scale, g, head, mask_ptr,
                 mask_head_stride, num_blocks, sparse_block, local_blocks, vert_stride, head_step,
-                BLOCK_N, PAGE_ALIGNED, False, EVEN_D, LAYOUT, DOT_PRECISION,
+                BLOCK_N, PAGE_ALIGNED, PAGE_SIZE_C, False, EVEN_D, LAYOUT, DOT_PRECISION,
             )  # fmt: skip
         for n in range(full_hi, hi, BLOCK_N):
             b_m, b_l, b_acc = attend_tile(
                 b_q, b_m, b_l, b_acc, q_pos, n, seq_len, p_k_base, p_v_base, p_bt, page_size,
                 stride_page, stride_tok, stride_d, o_d, m_d, qk_scale, g, head, mask_ptr,
                 mask_head_stride, num_blocks, sparse_block, local_blocks, vert_stride, head_step,
-                BLOCK_N, PAGE_ALIGNED, True, EVEN_D, LAYOUT, DOT_PRECISION,
+                BLOCK_N, PAGE_ALIGNED, PAGE_SIZE_C, True, EVEN_D, LAYOUT, DOT_PRECISION,
             )  # fmt: skip
     else:
         for n in range(lo, hi, BLOCK_N):
@@ -169,7 +172,7 @@ def paged_decode_split_kernel(
                     b_q, b_m, b_l, b_acc, q_pos, n, seq_len, p_k_base, p_v_base, p_bt, page_size,
                     stride_page, stride_tok, stride_d, o_d, m_d, qk_scale, g, head, mask_ptr,
                     mask_head_stride, num_blocks, sparse_block, local_blocks, vert_stride, head_step,
-                    BLOCK_N, PAGE_ALIGNED, True, EVEN_D, LAYOUT, DOT_PRECISION,
+                    BLOCK_N, PAGE_ALIGNED, PAGE_SIZE_C, True, EVEN_D, LAYOUT, DOT_PRECISION,
                 )  # fmt: skip
 
     # part_*: [num_seqs, num_heads, num_splits(, HEAD_DIM_PAD)], float32
@@ -271,6 +274,7 @@ def _launch(batch, q, k_cache, v_cache, block_tables, seq_lens, layout):
         EVEN_D=batch.head_dim == head_dim_pad,
         BLOCK_N=block_n,
         PAGE_ALIGNED=batch.page_size % block_n == 0,
+        PAGE_SIZE_C=page_size_constexpr(batch.page_size, block_n),
         DOT_PRECISION=dot_precision(q.dtype),
         SCORES_F64=scores_in_float64(q.dtype),
         num_warps=num_warps,

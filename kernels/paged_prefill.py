@@ -22,6 +22,7 @@ from kernels._common import (
     finalize_rows,
     interpreted,
     padded_head_dim,
+    page_size_constexpr,
     positive_scale,
     scores_in_float64,
 )
@@ -110,6 +111,7 @@ def paged_prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGE_ALIGNED: tl.constexpr,
+    PAGE_SIZE_C: tl.constexpr,
     SPARSE_ALIGNED: tl.constexpr,
     LAYOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -135,9 +137,14 @@ def paged_prefill_kernel(
     q_last = hi - 1
 
     o_tok = (q_begin + o_m).to(tl.int64)
+    # Row mask of Q and out; the head-dim mask only when D is padded (vectorized access, attend_tile).
+    if EVEN_D:
+        m_md = m_m[:, None]
+    else:
+        m_md = m_m[:, None] & m_d[None, :]
     # [BLOCK_M, HEAD_DIM_PAD]
     p_q = q + o_tok[:, None] * stride_qt + i_h * stride_qh + o_d[None, :] * stride_qd
-    b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0)
+    b_q = tl.load(p_q, mask=m_md, other=0.0)
     if SCORES_F64:
         b_q = b_q.to(tl.float64)
         b_m = tl.full([BLOCK_M], FINITE_MIN, tl.float64)
@@ -160,7 +167,7 @@ def paged_prefill_kernel(
                 b_q, b_m, b_l, b_acc, q_pos, n, seq_len, p_k_base, p_v_base, p_bt, page_size,
                 stride_page, stride_tok, stride_d, o_d, m_d, qk_scale, g, i_h, mask_ptr,
                 mask_head_stride, num_blocks, sparse_block, local_blocks, vert_stride, head_step,
-                BLOCK_N, PAGE_ALIGNED, False, EVEN_D, LAYOUT, DOT_PRECISION,
+                BLOCK_N, PAGE_ALIGNED, PAGE_SIZE_C, False, EVEN_D, LAYOUT, DOT_PRECISION,
             )  # fmt: skip
         # Diagonal tiles: causality and the sequence end cut them.
         for n in range(full_hi, hi, BLOCK_N):
@@ -168,7 +175,7 @@ def paged_prefill_kernel(
                 b_q, b_m, b_l, b_acc, q_pos, n, seq_len, p_k_base, p_v_base, p_bt, page_size,
                 stride_page, stride_tok, stride_d, o_d, m_d, qk_scale, g, i_h, mask_ptr,
                 mask_head_stride, num_blocks, sparse_block, local_blocks, vert_stride, head_step,
-                BLOCK_N, PAGE_ALIGNED, True, EVEN_D, LAYOUT, DOT_PRECISION,
+                BLOCK_N, PAGE_ALIGNED, PAGE_SIZE_C, True, EVEN_D, LAYOUT, DOT_PRECISION,
             )  # fmt: skip
     elif LAYOUT == LAYOUT_LOCAL_STRIDED:
         qb_lo = q_first // sparse_block
@@ -192,7 +199,7 @@ def paged_prefill_kernel(
                     b_q, b_m, b_l, b_acc, q_pos, n, seq_len, p_k_base, p_v_base, p_bt, page_size,
                     stride_page, stride_tok, stride_d, o_d, m_d, qk_scale, g, i_h, mask_ptr,
                     mask_head_stride, num_blocks, sparse_block, local_blocks, vert_stride, head_step,
-                    BLOCK_N, PAGE_ALIGNED, False, EVEN_D, LAYOUT, DOT_PRECISION,
+                    BLOCK_N, PAGE_ALIGNED, PAGE_SIZE_C, False, EVEN_D, LAYOUT, DOT_PRECISION,
                 )  # fmt: skip
             # One masked loop: the band's partial start, then the diagonal tiles.
             num_partial = (band_full - kb_lo * sparse_block) // BLOCK_N
@@ -206,7 +213,7 @@ def paged_prefill_kernel(
                     b_q, b_m, b_l, b_acc, q_pos, n, seq_len, p_k_base, p_v_base, p_bt, page_size,
                     stride_page, stride_tok, stride_d, o_d, m_d, qk_scale, g, i_h, mask_ptr,
                     mask_head_stride, num_blocks, sparse_block, local_blocks, vert_stride, head_step,
-                    BLOCK_N, PAGE_ALIGNED, True, EVEN_D, LAYOUT, DOT_PRECISION,
+                    BLOCK_N, PAGE_ALIGNED, PAGE_SIZE_C, True, EVEN_D, LAYOUT, DOT_PRECISION,
                 )  # fmt: skip
         else:
             for n in range(0, hi, BLOCK_N):
@@ -219,7 +226,7 @@ def paged_prefill_kernel(
                         b_q, b_m, b_l, b_acc, q_pos, n, seq_len, p_k_base, p_v_base, p_bt, page_size,
                         stride_page, stride_tok, stride_d, o_d, m_d, qk_scale, g, i_h, mask_ptr,
                         mask_head_stride, num_blocks, sparse_block, local_blocks, vert_stride, head_step,
-                        BLOCK_N, PAGE_ALIGNED, True, EVEN_D, LAYOUT, DOT_PRECISION,
+                        BLOCK_N, PAGE_ALIGNED, PAGE_SIZE_C, True, EVEN_D, LAYOUT, DOT_PRECISION,
                     )  # fmt: skip
     else:
         o_list = i_t * tl.num_programs(1) + i_h
@@ -230,12 +237,12 @@ def paged_prefill_kernel(
                 b_q, b_m, b_l, b_acc, q_pos, n, seq_len, p_k_base, p_v_base, p_bt, page_size,
                 stride_page, stride_tok, stride_d, o_d, m_d, qk_scale, g, i_h, mask_ptr,
                 mask_head_stride, num_blocks, sparse_block, local_blocks, vert_stride, head_step,
-                BLOCK_N, PAGE_ALIGNED, True, EVEN_D, LAYOUT, DOT_PRECISION,
+                BLOCK_N, PAGE_ALIGNED, PAGE_SIZE_C, True, EVEN_D, LAYOUT, DOT_PRECISION,
             )  # fmt: skip
 
     b_out, b_lse = finalize_rows(b_m, b_l, b_acc, qk_scale)
     p_o = out + o_tok[:, None] * stride_ot + i_h * stride_oh + o_d[None, :] * stride_od
-    tl.store(p_o, b_out.to(out.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
+    tl.store(p_o, b_out.to(out.dtype.element_ty), mask=m_md)
     tl.store(lse + o_tok * stride_lt + i_h * stride_lh, b_lse, mask=m_m)
 
 
@@ -332,6 +339,7 @@ def _launch(batch, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         PAGE_ALIGNED=batch.page_size % block_n == 0,
+        PAGE_SIZE_C=page_size_constexpr(batch.page_size, block_n),
         SPARSE_ALIGNED=args.block_size % block_n == 0,
         DOT_PRECISION=dot_precision(q.dtype),
         SCORES_F64=scores_in_float64(q.dtype),
