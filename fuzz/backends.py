@@ -135,25 +135,32 @@ def flex_prefill(
     for start, end, context, qb, kb, vb, sc in _sequences(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, layout
     ):
+        # Square problems only: queries are padded in front to the key length, so that query row i
+        # sits at absolute position i. torch 2.11's eager flex on CUDA got Q_LEN < KV_LEN wrong
+        # (the context offset was lost: lse off by nats); the padded rows are dropped afterwards.
+        seq_len = kb.shape[0]
+        q_full = qb.new_zeros(seq_len, *qb.shape[1:])
+        q_full[context:] = qb
         if layout is None:
 
-            def mask_mod(b, h, q_idx, kv_idx, context=context):
-                return kv_idx <= q_idx + context
+            def mask_mod(b, h, q_idx, kv_idx):
+                return kv_idx <= q_idx
 
         else:
             size = layout.block_size
             # [H, NB, NB], the causal rule included by both layout classes
-            blocks = layout.block_mask(num_heads, math.ceil(kb.shape[0] / size)).to(q.device)
+            blocks = layout.block_mask(num_heads, math.ceil(seq_len / size)).to(q.device)
+            last = blocks.shape[-1] - 1
 
-            def mask_mod(b, h, q_idx, kv_idx, context=context, blocks=blocks, size=size):
-                pq = q_idx + context
-                return (kv_idx <= pq) & blocks[h, pq // size, kv_idx // size]
+            # create_block_mask also evaluates indices padded up to its own block size: clamp them
+            # into the grid (they are masked by length anyway), or CUDA indexing asserts.
+            def mask_mod(b, h, q_idx, kv_idx, blocks=blocks, size=size, last=last):
+                qb_, kb_ = (q_idx // size).clamp(max=last), (kv_idx // size).clamp(max=last)
+                return (kv_idx <= q_idx) & blocks[h, qb_, kb_]
 
-        block_mask = create_block_mask(
-            mask_mod, None, num_heads, end - start, kb.shape[0], device=q.device.type
-        )
+        block_mask = create_block_mask(mask_mod, None, num_heads, seq_len, seq_len, device=q.device.type)
         o, aux = flex_attention(
-            qb.transpose(0, 1)[None],
+            q_full.transpose(0, 1)[None],
             kb.transpose(0, 1)[None],
             vb.transpose(0, 1)[None],
             block_mask=block_mask,
@@ -161,8 +168,8 @@ def flex_prefill(
             enable_gqa=True,
             return_aux=AuxRequest(lse=True),
         )
-        out[start:end] = o[0].transpose(0, 1)
-        lse[start:end] = aux.lse[0].transpose(0, 1).float()
+        out[start:end] = o[0].transpose(0, 1)[context:]
+        lse[start:end] = aux.lse[0].transpose(0, 1)[context:].float()
     return (out, lse) if return_lse else out
 
 

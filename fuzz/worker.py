@@ -41,7 +41,8 @@ class Worker:
 
     def __init__(self, cfg: dict, queue):
         self.cfg, self.queue = cfg, queue
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        # cfg["device"] pins the device (the smoke tests keep CPU-sized cases on a GPU machine).
+        self.device = cfg.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
         self.backend = get_backend(cfg["backend"])
         self.ledger = Ledger.load(cfg["ledger"])
         self.memo: dict[str, object] = {}
