@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 _COMMON = dict(
     deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
 )
-settings.register_profile("ci", max_examples=12, derandomize=True, **_COMMON)
+settings.register_profile("ci", max_examples=60, derandomize=True, **_COMMON)
 settings.register_profile("dev", max_examples=25, **_COMMON)
 settings.register_profile("nightly", max_examples=400, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))

@@ -15,6 +15,7 @@ from engine import block_pool
 from engine.block_pool import BlockPool, PoolStats, pages_for
 from engine.sequence import SamplingParams, Sequence
 from reference.prefix_cache import PrefixCacheModel
+from tests.examples import examples
 from tests.strategies import pool_prompts
 
 
@@ -160,7 +161,7 @@ class PoolVsModel(RuleBasedStateMachine):
 
 TestPoolVsModel = PoolVsModel.TestCase
 # Cheap (no model): many more runs than the profile's default.
-TestPoolVsModel.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+TestPoolVsModel.settings = settings(examples(5), stateful_step_count=40, deadline=None)
 
 
 def test_block_pool_hash_is_chained_and_salted():

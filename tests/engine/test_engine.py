@@ -14,10 +14,11 @@ exactly, and the counters too.
 
 import pytest
 import torch
-from hypothesis import event, given, settings
+from hypothesis import event, given
 
 from engine import LLM, RequestOutput, SamplingParams, block_pool
 from tests.engine.test_block_pool import ModelPool
+from tests.examples import examples
 from tests.strategies import EngineRequest, EngineStream, request_streams
 from tests.tolerance import error_stats
 
@@ -101,8 +102,8 @@ def assert_equivalent(warm: list[RequestOutput], cold: list[RequestOutput]) -> i
     return compared
 
 
-# The reference backend is cheap (~0.2 s a stream): more examples than the profile's default.
-@settings(max_examples=40)
+# The reference backend is cheap (~0.2 s a stream): the profile's full budget.
+@examples(1)
 @given(stream=request_streams())
 def test_generate_cached_equals_uncached(stream):
     warm_llm = make_llm(stream)
@@ -114,7 +115,7 @@ def test_generate_cached_equals_uncached(stream):
     assert assert_equivalent(warm, cold) >= len(stream.requests)
 
 
-@settings(max_examples=40)
+@examples(1)
 @given(stream=request_streams())
 def test_generate_num_cached_tokens_matches_reference_model(stream):
     stats = check_against_reference_model(stream)
@@ -138,7 +139,7 @@ def check_against_reference_model(stream: EngineStream) -> dict:
     return stats
 
 
-# The interpreter costs ~0.3-1 s an engine step: few, small streams with few steps.
+# The interpreter costs ~0.3-1 s an engine step: few (5 under the ci profile), small streams.
 TRITON_STREAMS = request_streams(
     max_requests=3,
     max_prompt_len=40,
@@ -149,7 +150,7 @@ TRITON_STREAMS = request_streams(
 )
 
 
-@settings(max_examples=5)
+@examples(0.09)
 @given(stream=TRITON_STREAMS)
 def test_generate_cached_equals_uncached_triton(stream):
     warm_llm = make_llm(stream, backend="triton")

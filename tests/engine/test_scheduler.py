@@ -7,13 +7,14 @@ caught without a model. Its "next token" depends only on the sequence's tokens, 
 depend on scheduling, chunking, caching or preemption.
 """
 
-from hypothesis import given, settings
+from hypothesis import given
 
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig
 from engine.model_runner import Sample
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, Sequence, SequenceStatus
+from tests.examples import examples
 from tests.strategies import EngineRequest, EngineStream, request_streams
 
 VOCAB = 128
@@ -101,7 +102,7 @@ def run(stream: EngineStream, caching: bool = True) -> tuple[dict, Scheduler]:
     return done, sched
 
 
-@settings(max_examples=150)
+@examples(2.5)
 @given(stream=request_streams(max_requests=8, max_new_tokens=12))
 def test_scheduler_answers_every_request_once(stream):
     for caching in (True, False):

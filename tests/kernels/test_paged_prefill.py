@@ -28,17 +28,8 @@ PHI3_HEADS = (32, 8) if GPU else (2, 1)
 def run_and_check(case: AttentionCase, device, *, check_without_lse: bool = False) -> None:
     inputs = build_inputs(case, device)
     (ref_out, ref_lse), (base_out, base_lse) = oracle_and_base(inputs)
-    out, lse = tri.paged_prefill(
-        inputs["q"],
-        inputs["k_cache"],
-        inputs["v_cache"],
-        inputs["block_tables"],
-        inputs["seq_lens"],
-        inputs["query_start_loc"],
-        scale=inputs["scale"],
-        layout=inputs["layout"],
-        return_lse=True,
-    )
+    args = [inputs[k] for k in ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "query_start_loc")]
+    out, lse = tri.paged_prefill(*args, scale=inputs["scale"], layout=inputs["layout"], return_lse=True)
     dtype = DTYPES[case.dtype]
     assert out.dtype == dtype and out.shape == inputs["q"].shape
     record("paged_prefill", case, assert_close("paged_prefill out", out, ref_out, base_out, dtype), "out")
@@ -46,16 +37,7 @@ def run_and_check(case: AttentionCase, device, *, check_without_lse: bool = Fals
     if not check_without_lse:
         return
     # Without return_lse the same output comes back alone.
-    alone = tri.paged_prefill(
-        inputs["q"],
-        inputs["k_cache"],
-        inputs["v_cache"],
-        inputs["block_tables"],
-        inputs["seq_lens"],
-        inputs["query_start_loc"],
-        scale=inputs["scale"],
-        layout=inputs["layout"],
-    )
+    alone = tri.paged_prefill(*args, scale=inputs["scale"], layout=inputs["layout"])
     assert torch.equal(alone, out)
 
 
