@@ -124,6 +124,22 @@ def page_size_constexpr(page_size: int, block_n: int) -> int:
     return 0
 
 
+def shared_launch_kwargs(batch, dtype: torch.dtype, block_n: int) -> dict:
+    """Sizes and constexpr switches that the prefill and decode launchers pass alike."""
+    head_dim_pad = padded_head_dim(batch.head_dim)
+    return dict(
+        page_size=batch.page_size,
+        group=batch.num_heads // batch.num_kv_heads,
+        head_dim=batch.head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        EVEN_D=batch.head_dim == head_dim_pad,
+        PAGE_ALIGNED=batch.page_size % block_n == 0,
+        PAGE_SIZE_C=page_size_constexpr(batch.page_size, block_n),
+        DOT_PRECISION=dot_precision(dtype),
+        SCORES_F64=scores_in_float64(dtype),
+    )
+
+
 @triton.jit
 def layout_allowed(
     q_pos,
