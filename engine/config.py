@@ -4,19 +4,13 @@ from dataclasses import dataclass
 
 import torch
 
+from reference.layouts import check_int
+
 BACKENDS = ("reference", "triton")
 DTYPES = ("float32", "float16", "bfloat16")
 DEFAULT_NUM_PAGES = 512
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 DEFAULT_MAX_NUM_SEQS = 16
-
-
-def _int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 @dataclass(slots=True)
@@ -64,11 +58,11 @@ class EngineConfig:
     def __post_init__(self):
         if not isinstance(self.model, str):
             raise TypeError(f"model must be a str, got {type(self.model).__name__}")
-        _int("page_size", self.page_size, 1)
-        _int("num_pages", self.num_pages, 1)
-        _int("seed", self.seed, 0)
-        _int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        _int("max_num_seqs", self.max_num_seqs, 1)
+        check_int("page_size", self.page_size, 1)
+        check_int("num_pages", self.num_pages, 1)
+        check_int("seed", self.seed, 0)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        check_int("max_num_seqs", self.max_num_seqs, 1)
         for name in ("enable_prefix_caching", "record_logits"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")

@@ -6,7 +6,8 @@ The token rule is always `allowed(h, pq, pk) = pk <= pq and block_allowed(h, pq 
 import torch
 
 
-def _check_int(name: str, value, minimum: int) -> int:
+def check_int(name: str, value, minimum: int) -> int:
+    """`value` if it is an int (not a bool) >= `minimum`, else TypeError or ValueError naming it."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
@@ -47,16 +48,16 @@ class LocalStridedLayout:
     def __init__(
         self, block_size, local_blocks, vert_stride, homo_head=False, num_heads_total=None, head_offset=0
     ):
-        self.block_size = _check_int("block_size", block_size, 1)
-        self.local_blocks = _check_int("local_blocks", local_blocks, 1)
-        self.vert_stride = _check_int("vert_stride", vert_stride, 1)
+        self.block_size = check_int("block_size", block_size, 1)
+        self.local_blocks = check_int("local_blocks", local_blocks, 1)
+        self.vert_stride = check_int("vert_stride", vert_stride, 1)
         if not isinstance(homo_head, bool):
             raise TypeError(f"homo_head must be a bool, got {type(homo_head).__name__}")
         self.homo_head = homo_head
         self.num_heads_total = (
-            None if num_heads_total is None else _check_int("num_heads_total", num_heads_total, 1)
+            None if num_heads_total is None else check_int("num_heads_total", num_heads_total, 1)
         )
-        self.head_offset = _check_int("head_offset", head_offset, 0)
+        self.head_offset = check_int("head_offset", head_offset, 0)
 
     def __repr__(self) -> str:
         return (
@@ -85,14 +86,14 @@ class LocalStridedLayout:
 
     def block_mask(self, num_heads: int, num_blocks: int) -> torch.Tensor:
         """Dense block mask. Returns: bool [num_heads, num_blocks, num_blocks]."""
-        _check_int("num_heads", num_heads, 1)
-        _check_int("num_blocks", num_blocks, 0)
+        check_int("num_heads", num_heads, 1)
+        check_int("num_blocks", num_blocks, 0)
         idx = torch.arange(num_blocks)
         return self._allowed(num_heads, idx.view(-1, 1), idx.view(1, -1))
 
     def token_mask(self, num_heads: int, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         """Token mask, causal rule included. Returns: bool [num_heads, len(q_pos), len(k_pos)]."""
-        _check_int("num_heads", num_heads, 1)
+        check_int("num_heads", num_heads, 1)
         _check_positions(q_pos, k_pos)
         q_pos, k_pos = q_pos.cpu().long(), k_pos.cpu().long()
         causal = k_pos.view(1, -1) <= q_pos.view(-1, 1)
@@ -122,7 +123,7 @@ class BlockMaskLayout:
         if block_mask.dim() != 3 or block_mask.shape[1] != block_mask.shape[2]:
             raise ValueError(f"block_mask must be [H, NB, NB] or [NB, NB], got {tuple(block_mask.shape)}")
         self.mask = block_mask.detach().cpu().clone()
-        self.block_size = _check_int("block_size", block_size, 1)
+        self.block_size = check_int("block_size", block_size, 1)
 
     def __repr__(self) -> str:
         heads, nb, _ = self.mask.shape
@@ -139,8 +140,8 @@ class BlockMaskLayout:
 
     def block_mask(self, num_heads: int, num_blocks: int) -> torch.Tensor:
         """Dense block mask, causal rule included. Returns: bool [num_heads, num_blocks, num_blocks]."""
-        _check_int("num_heads", num_heads, 1)
-        _check_int("num_blocks", num_blocks, 0)
+        check_int("num_heads", num_heads, 1)
+        check_int("num_blocks", num_blocks, 0)
         if num_blocks > self.num_blocks:
             raise ValueError(f"num_blocks ({num_blocks}) exceeds the layout's {self.num_blocks} blocks")
         mask = self._per_head(num_heads)[:, :num_blocks, :num_blocks]
@@ -148,7 +149,7 @@ class BlockMaskLayout:
 
     def token_mask(self, num_heads: int, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         """Token mask, causal rule included. Returns: bool [num_heads, len(q_pos), len(k_pos)]."""
-        _check_int("num_heads", num_heads, 1)
+        check_int("num_heads", num_heads, 1)
         _check_positions(q_pos, k_pos)
         q_pos, k_pos = q_pos.cpu().long(), k_pos.cpu().long()
         top = max(int(q_pos.max()) if q_pos.numel() else 0, int(k_pos.max()) if k_pos.numel() else 0)
@@ -172,7 +173,7 @@ def sliding_window_block_mask(num_blocks: int, window_blocks: int) -> torch.Tens
 
     Returns: bool [num_blocks, num_blocks].
     """
-    _check_int("window_blocks", window_blocks, 1)
+    check_int("window_blocks", window_blocks, 1)
     idx = torch.arange(num_blocks)
     dist = idx.view(-1, 1) - idx.view(1, -1)
     return (dist >= 0) & (dist < window_blocks)
