@@ -4,51 +4,63 @@ Policy:
     - Only full pages are cached. A page's key is `sha256(parent_hash || token_ids || extra_keys)`
       over a canonical byte encoding; the first page's parent is a per-engine seed and its extra keys
       carry the request's `cache_salt`.
-    - A hit compares the whole token prefix, not only the hash: each key holds a `PrefixNode` chain
-      (the page's token ids, extra keys and its parent's node), so a hash collision is caught.
+    - Collision defence, O(page) per hit: a cached page is a hit only if its node holds the request's
+      page tokens and extra keys and its parent node *is* (identity) the node matched just before it;
+      a first page's parent is None, the engine seed. Complete by induction over the chain: if the node
+      matched at page i - 1 spells the request's first i pages (for i = 0: none, the seed), a node with
+      that parent and the request's page i spells its first i + 1. So a colliding hash, at this page or
+      at any before it, is caught whatever the hash function, and no prefix is ever compared again.
     - Lookup walks a request's page keys in order and stops at the first miss; it never returns more
       than `(num_tokens - 1) // page_size` pages (the last token is always computed).
     - Free pages form an LRU queue. Hits are touched (ref_count += 1, out of the queue) before new
       pages are taken; a new page is the least recently freed one and its key is evicted lazily then;
       `free` releases a block table in reverse order so a sequence's tail is evicted before its prefix.
     - A page is offered to the cache once, right after the step that filled it (prompt and generated
-      tokens alike); if its prefix is cached already, it stays uncached.
+      tokens alike); if its hash is cached already, it stays uncached.
+
+Prefix nodes:
+    A page holds the `PrefixNode` of its content from when it is offered (a hit: the node its first
+    owner offered) until it is handed out again; nodes never change and are held by reference, so a
+    reused page cannot pass for the prefix it held before. Offering a page reuses the live node that
+    `prefix_nodes` (weak) holds for its hash if it has the page's tokens, extra keys and parent. So,
+    barring sha256 collisions, a prefix has one node, even after its page was evicted and another page
+    cached it again while a cached child still points at the old node: the check misses only on true
+    collisions, and lookups agree with `reference.prefix_cache` hit for hit.
 
 Invariants (`check_invariants`):
     - ref_count >= 0, and ref_count == 0 <=> the page is in the LRU queue;
-    - every entry of the hash map points to a page (live or in the LRU queue) whose key is that entry;
+    - every entry of the hash map points to a page (live or in the LRU queue) whose key is that entry,
+      and a cached page's key holds the page's node, which spells the page's content;
     - free + in use == num_pages.
 """
 
+import functools
 import hashlib
 import math
 import struct
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 SEED_DOMAIN = b"engine.block_pool.seed/v1"
+NO_EXTRA_KEYS_ENCODED = struct.pack("<Q", 0)
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+# NOTE: PrefixNode and PageKey are plain, not frozen, dataclasses (a frozen one costs 3x to build, and
+# these are built per page), but neither is ever changed once made.
+@dataclass(slots=True, eq=False, weakref_slot=True)
 class PrefixNode:
-    """One full page's tokens in a chain that spells out the whole prefix."""
+    """One full page's tokens after its parent's prefix; compared by identity (`is`)."""
 
-    parent: "PrefixNode | None"
+    parent: "PrefixNode | None"  # None: the engine seed (a first page)
     token_ids: tuple[int, ...]
     extra_keys: tuple
 
 
-def same_prefix(a: PrefixNode | None, b: PrefixNode | None) -> bool:
-    """Whether two chains spell the same prefix (stops early at a shared node)."""
-    while a is not b:
-        if a is None or b is None or a.token_ids != b.token_ids or a.extra_keys != b.extra_keys:
-            return False
-        a, b = a.parent, b.parent
-    return True
-
-
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PageKey:
+    """A cached page's entry: its hash and the node of the prefix it holds."""
+
     hash: bytes
     node: PrefixNode
 
@@ -64,12 +76,18 @@ def _encode(value) -> bytes:
     raise TypeError(f"cannot encode an extra key of type {type(value).__name__}")
 
 
-def hash_page(parent_hash: bytes, token_ids: tuple[int, ...], extra_keys: tuple) -> bytes:
+@functools.cache
+def _tokens_struct(num_tokens: int) -> struct.Struct:
+    return struct.Struct(f"<Q{num_tokens}q")
+
+
+def hash_page(parent_hash: bytes, token_ids: tuple[int, ...] | list[int], extra_keys: tuple) -> bytes:
     """sha256 over a canonical encoding: parent || count || int64 token ids || tagged extra keys."""
-    payload = [parent_hash, struct.pack(f"<Q{len(token_ids)}q", len(token_ids), *token_ids)]
-    payload.append(struct.pack("<Q", len(extra_keys)))
-    payload.extend(_encode(k) for k in extra_keys)
-    return hashlib.sha256(b"".join(payload)).digest()
+    tokens = _tokens_struct(len(token_ids)).pack(len(token_ids), *token_ids)
+    if not extra_keys:
+        return hashlib.sha256(parent_hash + tokens + NO_EXTRA_KEYS_ENCODED).digest()
+    extra = [struct.pack("<Q", len(extra_keys)), *map(_encode, extra_keys)]
+    return hashlib.sha256(b"".join([parent_hash, tokens, *extra])).digest()
 
 
 def engine_seed_hash(seed: int) -> bytes:
@@ -82,6 +100,7 @@ class Page:
     page_id: int
     ref_count: int = 0
     key: PageKey | None = None
+    node: PrefixNode | None = None  # what its content spells, from its offer until it is handed out again
 
 
 @dataclass(slots=True)
@@ -113,6 +132,8 @@ class BlockPool:
     pages: list[Page] = field(init=False)
     lru: OrderedDict = field(init=False)  # page_id -> None, least recently freed first
     cached: dict = field(init=False)  # hash -> page_id
+    prefix_nodes: dict = field(init=False)  # hash -> weakref.ref of a node of that hash
+    _sweep_at: int = field(init=False)  # len(prefix_nodes) that triggers dropping its dead entries
     stats: PoolStats = field(init=False)
     seed_hash: bytes = field(init=False)
 
@@ -120,6 +141,8 @@ class BlockPool:
         self.pages = [Page(i) for i in range(self.num_pages)]
         self.lru = OrderedDict((i, None) for i in range(self.num_pages))
         self.cached = {}
+        self.prefix_nodes = {}
+        self._sweep_at = 2 * self.num_pages
         self.stats = PoolStats()
         self.seed_hash = engine_seed_hash(self.seed)
 
@@ -131,38 +154,38 @@ class BlockPool:
     def num_cached_pages(self) -> int:
         return len(self.cached)
 
-    def page_keys(self, seq) -> list[PageKey]:
-        """Extends and returns `seq.page_keys`: one key per full page of `seq.token_ids`."""
-        keys, size = seq.page_keys, self.page_size
-        for i in range(len(keys), len(seq.token_ids) // size):
-            tokens = tuple(seq.token_ids[i * size : (i + 1) * size])
-            parent = keys[-1] if keys else None
-            extra = (seq.cache_salt,) if i == 0 else ()
-            node = PrefixNode(parent.node if parent else None, tokens, extra)
-            keys.append(PageKey(hash_page(parent.hash if parent else self.seed_hash, tokens, extra), node))
+    def page_keys(self, seq) -> list[bytes]:
+        """Extends and returns `seq.page_keys`: the chained hash of each full page of `seq.token_ids`."""
+        keys, size, tokens = seq.page_keys, self.page_size, seq.token_ids
+        parent = keys[-1] if keys else self.seed_hash
+        for start in range(len(keys) * size, len(tokens) - size + 1, size):
+            extra = (seq.cache_salt,) if start == 0 else ()
+            parent = hash_page(parent, tokens[start : start + size], extra)
+            keys.append(parent)
         return keys
 
     def lookup(self, seq) -> list[int]:
         """Page ids of the longest cached prefix of `seq`, capped at (len(seq) - 1) // page_size pages."""
         if not self.enable_caching:
             return []
-        hits, prev = [], None
-        for key in self.page_keys(seq)[: (len(seq.token_ids) - 1) // self.page_size]:
-            page_id = self.cached.get(key.hash)
+        size, tokens, cached, pages = self.page_size, seq.token_ids, self.cached, self.pages
+        hits, prev, extra = [], None, (seq.cache_salt,)
+        for i, key in enumerate(self.page_keys(seq)[: (len(tokens) - 1) // size]):
+            page_id = cached.get(key)
             if page_id is None:
                 break
-            node, ours = self.pages[page_id].key.node, key.node
-            # The token check: this page's tokens and extra keys, then its parent chain. The parent is
-            # usually the node just matched (O(1)); otherwise the whole chain is compared.
+            node = pages[page_id].key.node
+            # The collision defence of the module docstring: this page's tokens and extra keys, and the
+            # identity of its parent with the node matched before it, which spells the prefix so far.
             if (
-                node.token_ids != ours.token_ids
-                or node.extra_keys != ours.extra_keys
-                or not (node.parent is prev or same_prefix(node.parent, ours.parent))
+                node.parent is not prev
+                or node.extra_keys != extra
+                or node.token_ids != tuple(tokens[i * size : (i + 1) * size])
             ):
                 self.stats.collisions += 1
                 break
             hits.append(page_id)
-            prev = node
+            prev, extra = node, ()
         return hits
 
     def num_pages_needed(self, hits: list[int], num_new: int) -> int:
@@ -179,37 +202,63 @@ class BlockPool:
         """
         if not self.can_allocate(hits, num_new):
             raise RuntimeError(f"allocate: {num_new} new pages requested, {len(self.lru)} free")
+        pages, lru = self.pages, self.lru
         for page_id in hits:
-            page = self.pages[page_id]
+            page = pages[page_id]
             if page.ref_count == 0:
-                del self.lru[page_id]
+                del lru[page_id]
             page.ref_count += 1
-        new = []
+        table = list(hits)
         for _ in range(num_new):
-            page_id, _ = self.lru.popitem(last=False)
-            page = self.pages[page_id]
+            page_id, _ = lru.popitem(last=False)
+            page = pages[page_id]
             if page.key is not None:  # lazy eviction
                 del self.cached[page.key.hash]
                 page.key = None
                 self.stats.evictions += 1
+            page.node = None
             page.ref_count = 1
-            new.append(page_id)
+            table.append(page_id)
         if num_query_tokens is not None:
             self.stats.queries += num_query_tokens
             self.stats.hits += len(hits) * self.page_size
-        return hits + new
+        return table
+
+    def _prefix_node(self, key: bytes, parent, token_ids: tuple, extra_keys: tuple) -> PrefixNode:
+        """The live node of this prefix if there is one, else a new one (registered if the hash is free)."""
+        ref = self.prefix_nodes.get(key)
+        node = ref() if ref is not None else None
+        if node is None:
+            node = PrefixNode(parent, token_ids, extra_keys)
+            if len(self.prefix_nodes) >= self._sweep_at:
+                # Dead entries go once the map has doubled: amortized O(1) per registration.
+                self.prefix_nodes = {h: r for h, r in self.prefix_nodes.items() if r() is not None}
+                self._sweep_at = 2 * (len(self.prefix_nodes) + self.num_pages)
+            self.prefix_nodes[key] = weakref.ref(node)
+        elif node.parent is not parent or node.token_ids != token_ids or node.extra_keys != extra_keys:
+            node = PrefixNode(parent, token_ids, extra_keys)  # a hash collision: this one stays unregistered
+        return node
 
     def cache_full_pages(self, seq) -> None:
         """Offers the pages of `seq` filled by computed tokens since the last call to the cache."""
-        num_full = seq.num_computed_tokens // self.page_size
-        if self.enable_caching and num_full > seq.num_offered_pages:
-            keys = self.page_keys(seq)
-            for i in range(seq.num_offered_pages, num_full):
-                page = self.pages[seq.block_table[i]]
-                if page.key is None and keys[i].hash not in self.cached:
-                    page.key = keys[i]
-                    self.cached[keys[i].hash] = page.page_id
-        seq.num_offered_pages = max(seq.num_offered_pages, num_full)
+        first, num_full = seq.num_offered_pages, seq.num_computed_tokens // self.page_size
+        if self.enable_caching and num_full > first:
+            keys, size, table = self.page_keys(seq), self.page_size, seq.block_table
+            parent = self.pages[table[first - 1]].node if first else None
+            if first and parent is None:
+                raise RuntimeError(f"cache_full_pages: page {first - 1} of the sequence was never offered")
+            for i in range(first, num_full):
+                page = self.pages[table[i]]
+                if page.node is None:
+                    tokens = tuple(seq.token_ids[i * size : (i + 1) * size])
+                    page.node = self._prefix_node(
+                        keys[i], parent, tokens, (seq.cache_salt,) if i == 0 else ()
+                    )
+                if page.key is None and keys[i] not in self.cached:
+                    page.key = PageKey(keys[i], page.node)
+                    self.cached[keys[i]] = page.page_id
+                parent = page.node
+        seq.num_offered_pages = max(first, num_full)
 
     def free(self, block_table: list[int]) -> None:
         """Releases a block table in reverse order: the tail reaches the LRU queue first."""
@@ -226,8 +275,9 @@ class BlockPool:
         if len(self.lru) != self.num_pages:
             return False
         for page in self.pages:
-            page.key = None
+            page.key = page.node = None
         self.cached.clear()
+        self.prefix_nodes.clear()
         return True
 
     def check_invariants(self) -> None:
@@ -235,6 +285,8 @@ class BlockPool:
         for page in self.pages:
             if page.ref_count < 0 or (page.ref_count == 0) != (page.page_id in self.lru):
                 raise AssertionError(f"page {page.page_id}: ref_count {page.ref_count} vs LRU membership")
+            if page.key is not None and page.key.node is not page.node:
+                raise AssertionError(f"page {page.page_id}: its key holds another node than the page")
         for h, page_id in self.cached.items():
             key = self.pages[page_id].key
             if key is None or key.hash != h:

@@ -4,6 +4,10 @@ spec: `reference.paged_prefill.paged_prefill`. Every key is read through the blo
 tokens' K/V are already in the cache), at absolute positions: a sequence of length L with Q queries
 has its queries at positions L-Q .. L-1 (bottom-right causal alignment). Page size P and sparse
 block size S are independent; every (P, S) pair is supported. Masked scores are -inf, never zero.
+
+Planned path: `plan_prefill(...)` validates the call once and keeps what the launch needs (tile
+tables, layout arguments, the grid); `plan.run(q, k_cache, v_cache)` launches it for any q and caches
+of the planned shapes (every layer of a model step). `paged_prefill` is plan + run.
 """
 
 import torch
@@ -15,23 +19,45 @@ from kernels._common import (
     LAYOUT_BLOCK_MASK,
     LAYOUT_DENSE,
     LAYOUT_LOCAL_STRIDED,
+    TILES_LIST,
+    TILES_SCAN,
+    TILES_SEGMENTS,
     LayoutArgs,
-    attend_tile,
+    attend_tiles,
     cdiv,
-    finalize_rows,
+    cdiv_jit,
+    compact_lists,
+    finalize,
     interpreted,
     padded_head_dim,
+    placeholder,
     positive_scale,
     shared_launch_kwargs,
+    vertical_target,
 )
-from reference.validation import validate_paged_prefill
+from reference.validation import PlanGuard, validate_paged_prefill
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages). The interpreter's cost is per loop iteration: big tiles.
 CONFIG_INTERPRETER = (64, 64, 4, 1)
 CONFIG_FP32 = (32, 32, 4, 2)  # float64 scores (FMA units, float64 registers): small tiles
-CONFIG_SMALL_D = (128, 64, 4, 3)  # head_dim (padded) <= 64
-CONFIG_LARGE_D = (128, 64, 8, 3)
+# 16-bit inputs on the GPU, by layout kind and whether the padded head dim exceeds LARGE_D. Chosen
+# from the same-process sweep of reports/kernel_probe.py on the H200 (docs/kernels-notes.md).
+CONFIGS_GPU = {
+    ("dense", False): (128, 64, 4, 3),
+    ("dense", True): (128, 128, 8, 3),
+    ("local_strided", False): (64, 64, 4, 2),
+    ("local_strided", True): (64, 64, 4, 2),
+    ("block_mask", False): (64, 64, 4, 2),
+    ("block_mask", True): (64, 64, 4, 2),
+}
 LARGE_D = 64
+# A register cap for the launch (Triton's `maxnreg`); None leaves the choice to the compiler.
+MAX_REGISTERS = None
+KINDS = {
+    LAYOUT_DENSE.value: "dense",
+    LAYOUT_LOCAL_STRIDED.value: "local_strided",
+    LAYOUT_BLOCK_MASK.value: "block_mask",
+}
 # Runtime integers that would otherwise compile one variant per value class (1, multiple of 16).
 NOT_SPECIALIZED = [
     "max_tile_blocks",
@@ -47,17 +73,17 @@ NOT_SPECIALIZED = [
 ]
 
 
-def _config(dtype: torch.dtype, head_dim_pad: int) -> tuple[int, int, int, int]:
+def _config(dtype: torch.dtype, head_dim_pad: int, kind: int) -> tuple[int, int, int, int]:
     if interpreted():
         return CONFIG_INTERPRETER
     if dtype == torch.float32:
         return CONFIG_FP32
-    return CONFIG_LARGE_D if head_dim_pad > LARGE_D else CONFIG_SMALL_D
+    return CONFIGS_GPU[(KINDS[kind], head_dim_pad > LARGE_D)]
 
 
 # Grid: (query tile, query head), tiles taken last-first. Query tile t covers queries
-# tile_start[t] .. + BLOCK_M - 1 of sequence tile_seq[t] (indices within the sequence's queries);
-# every program runs online softmax over the key tiles its layout allows:
+# tiles[t, 1] .. + BLOCK_M - 1 of sequence tiles[t, 0] (indices within the sequence's queries);
+# every program runs online softmax over the key tiles its layout allows (`attend_tiles`):
 #   dense          tiles fully below the diagonal unmasked, then the diagonal tiles masked;
 #   local-strided  with S % BLOCK_N == 0: one unmasked loop (the vertical blocks left of the local
 #                  band, then the band tiles every row sees) and one masked loop (the band's partial
@@ -74,8 +100,7 @@ def paged_prefill_kernel(
     block_tables,
     seq_lens,
     query_start_loc,
-    tile_seq,
-    tile_start,
+    tiles,
     tile_counts,
     tile_blocks,
     max_tile_blocks,
@@ -112,17 +137,20 @@ def paged_prefill_kernel(
     PAGE_SIZE_C: tl.constexpr,
     SPARSE_ALIGNED: tl.constexpr,
     LAYOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
     SCORES_F64: tl.constexpr,
+    OFFSETS_I32: tl.constexpr,
+    TILES_PER_BLOCK: tl.constexpr,
 ):
     # Reversed: a sequence's last query tiles see the most keys; they start first.
     i_t = (tl.num_programs(0) - 1 - tl.program_id(0)).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
-    i_b = tl.load(tile_seq + i_t).to(tl.int64)
-    m_start = tl.load(tile_start + i_t)
-    seq_len = tl.load(seq_lens + i_b)
+    # Loaded rather than searched for: computing the tile's sequence in the kernel cost ~30
+    # registers (and spills) in the whole program (reports/kernel_inspect.py).
+    i_b = tl.load(tiles + 2 * i_t).to(tl.int64)
+    m_start = tl.load(tiles + 2 * i_t + 1)
     q_begin = tl.load(query_start_loc + i_b)
     q_len = tl.load(query_start_loc + i_b + 1) - q_begin
+    seq_len = tl.load(seq_lens + i_b)
     context = seq_len - q_len
     # [BLOCK_M]
     o_m = m_start + tl.arange(0, BLOCK_M)
@@ -135,7 +163,7 @@ def paged_prefill_kernel(
     q_last = hi - 1
 
     o_tok = (q_begin + o_m).to(tl.int64)
-    # Row mask of Q and out; the head-dim mask only when D is padded (vectorized access, attend_tile).
+    # Row mask of Q and out; the head-dim mask only when D is padded (vectorized access, _attend_one).
     if EVEN_D:
         m_md = m_m[:, None]
     else:
@@ -148,113 +176,181 @@ def paged_prefill_kernel(
         b_m = tl.full([BLOCK_M], FINITE_MIN, tl.float64)
     else:
         b_m = tl.full([BLOCK_M], FINITE_MIN, tl.float32)
-    b_l = tl.zeros([BLOCK_M], tl.float32)
-    b_acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    # Dense and local-strided rows always see their own key; block-mask rows may be empty.
+    b_seen = tl.full([BLOCK_M], LAYOUT != LAYOUT_BLOCK_MASK, tl.int1)
+    state = (b_m, tl.zeros([BLOCK_M], tl.float32), tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32), b_seen)
 
     kv_off = (i_h // group) * stride_kvh
-    p_k_base = k_cache + kv_off
-    p_v_base = v_cache + kv_off
-    p_bt = block_tables + i_b * stride_bt
+    kv = (
+        k_cache + kv_off,
+        v_cache + kv_off,
+        block_tables + i_b * stride_bt,
+        page_size,
+        stride_page,
+        stride_tok,
+        stride_d,
+        o_d,
+        m_d,
+        seq_len,
+    )
+    lay = (mask_ptr, mask_head_stride, num_blocks, sparse_block, local_blocks, vert_stride)
     g = head_offset + tl.program_id(1)
+    kb_vert = vertical_target(g, head_step, vert_stride)
+    rows = (q_pos[:, None], kb_vert, i_h)
     # Key tiles ending at or before q_first + 1 are causally visible to every row of the tile.
     full_hi = (q_first + 1) // BLOCK_N * BLOCK_N
 
     if LAYOUT == LAYOUT_DENSE:
-        for n in range(0, full_hi, BLOCK_N):
-            b_m, b_l, b_acc = attend_tile(
-                b_q, b_m, b_l, b_acc, q_pos, n, seq_len, p_k_base, p_v_base, p_bt, page_size,
-                stride_page, stride_tok, stride_d, o_d, m_d, qk_scale, g, i_h, mask_ptr,
-                mask_head_stride, num_blocks, sparse_block, local_blocks, vert_stride, head_step,
-                BLOCK_N, PAGE_ALIGNED, PAGE_SIZE_C, False, EVEN_D, LAYOUT, DOT_PRECISION,
-            )  # fmt: skip
+        state = attend_tiles(
+            state,
+            b_q,
+            rows,
+            kv,
+            lay,
+            (0, 1, 0, 0),
+            full_hi // BLOCK_N,
+            qk_scale,
+            BLOCK_N,
+            PAGE_ALIGNED,
+            PAGE_SIZE_C,
+            EVEN_D,
+            LAYOUT,
+            OFFSETS_I32,
+            TILES_PER_BLOCK,
+            TILES_SEGMENTS,
+            False,
+        )
         # Diagonal tiles: causality and the sequence end cut them.
-        for n in range(full_hi, hi, BLOCK_N):
-            b_m, b_l, b_acc = attend_tile(
-                b_q, b_m, b_l, b_acc, q_pos, n, seq_len, p_k_base, p_v_base, p_bt, page_size,
-                stride_page, stride_tok, stride_d, o_d, m_d, qk_scale, g, i_h, mask_ptr,
-                mask_head_stride, num_blocks, sparse_block, local_blocks, vert_stride, head_step,
-                BLOCK_N, PAGE_ALIGNED, PAGE_SIZE_C, True, EVEN_D, LAYOUT, DOT_PRECISION,
-            )  # fmt: skip
+        num_diag = cdiv_jit(hi - full_hi, BLOCK_N)
+        state = attend_tiles(
+            state,
+            b_q,
+            rows,
+            kv,
+            lay,
+            (0, 1, 0, full_hi),
+            num_diag,
+            qk_scale,
+            BLOCK_N,
+            PAGE_ALIGNED,
+            PAGE_SIZE_C,
+            EVEN_D,
+            LAYOUT,
+            OFFSETS_I32,
+            TILES_PER_BLOCK,
+            TILES_SEGMENTS,
+            True,
+        )
     elif LAYOUT == LAYOUT_LOCAL_STRIDED:
         qb_lo = q_first // sparse_block
         qb_hi = q_last // sparse_block
         kb_lo = tl.maximum(qb_lo - local_blocks + 1, 0)
-        # First key block of this head's vertical columns: (kb + g * step + 1) % vert_stride == 0.
-        kb_vert = (vert_stride - 1 - (g * head_step) % vert_stride) % vert_stride
         if SPARSE_ALIGNED:
-            tiles_per_block = sparse_block // BLOCK_N
-            num_vert = tl.maximum(kb_lo - kb_vert + vert_stride - 1, 0) // vert_stride * tiles_per_block
+            # Vertical columns kb_vert, kb_vert + V, ... left of the band (below every row's diagonal).
+            num_vert = tl.maximum(kb_lo - kb_vert + vert_stride - 1, 0) // vert_stride * TILES_PER_BLOCK
             # Band blocks kb >= qb_hi - local_blocks + 1 are local to every row of the tile.
             band_full = tl.maximum(kb_lo, qb_hi - local_blocks + 1) * sparse_block
             num_band = tl.maximum(full_hi - band_full, 0) // BLOCK_N
-            # One loop, no mask: the vertical blocks left of the band (below every row's diagonal),
-            # then the band tiles that every row sees.
-            for i in range(0, num_vert + num_band):
-                n_vert = (kb_vert + (i // tiles_per_block) * vert_stride) * sparse_block
-                n_vert += (i % tiles_per_block) * BLOCK_N
-                n = tl.where(i < num_vert, n_vert, band_full + (i - num_vert) * BLOCK_N)
-                b_m, b_l, b_acc = attend_tile(
-                    b_q, b_m, b_l, b_acc, q_pos, n, seq_len, p_k_base, p_v_base, p_bt, page_size,
-                    stride_page, stride_tok, stride_d, o_d, m_d, qk_scale, g, i_h, mask_ptr,
-                    mask_head_stride, num_blocks, sparse_block, local_blocks, vert_stride, head_step,
-                    BLOCK_N, PAGE_ALIGNED, PAGE_SIZE_C, False, EVEN_D, LAYOUT, DOT_PRECISION,
-                )  # fmt: skip
-            # One masked loop: the band's partial start, then the diagonal tiles.
+            vertical = (kb_vert, vert_stride, num_vert, band_full)
+            state = attend_tiles(
+                state,
+                b_q,
+                rows,
+                kv,
+                lay,
+                vertical,
+                num_vert + num_band,
+                qk_scale,
+                BLOCK_N,
+                PAGE_ALIGNED,
+                PAGE_SIZE_C,
+                EVEN_D,
+                LAYOUT,
+                OFFSETS_I32,
+                TILES_PER_BLOCK,
+                TILES_SEGMENTS,
+                False,
+            )
+            # The band's partial start (blocks from kb_lo), then the diagonal tiles.
             num_partial = (band_full - kb_lo * sparse_block) // BLOCK_N
             lo_diag = tl.maximum(band_full, full_hi)
-            num_diag = (hi - lo_diag + BLOCK_N - 1) // BLOCK_N
-            for j in range(0, num_partial + num_diag):
-                n = tl.where(
-                    j < num_partial, kb_lo * sparse_block + j * BLOCK_N, lo_diag + (j - num_partial) * BLOCK_N
-                )
-                b_m, b_l, b_acc = attend_tile(
-                    b_q, b_m, b_l, b_acc, q_pos, n, seq_len, p_k_base, p_v_base, p_bt, page_size,
-                    stride_page, stride_tok, stride_d, o_d, m_d, qk_scale, g, i_h, mask_ptr,
-                    mask_head_stride, num_blocks, sparse_block, local_blocks, vert_stride, head_step,
-                    BLOCK_N, PAGE_ALIGNED, PAGE_SIZE_C, True, EVEN_D, LAYOUT, DOT_PRECISION,
-                )  # fmt: skip
+            partial = (kb_lo, 1, num_partial, lo_diag)
+            num_masked = num_partial + cdiv_jit(hi - lo_diag, BLOCK_N)
+            state = attend_tiles(
+                state,
+                b_q,
+                rows,
+                kv,
+                lay,
+                partial,
+                num_masked,
+                qk_scale,
+                BLOCK_N,
+                PAGE_ALIGNED,
+                PAGE_SIZE_C,
+                EVEN_D,
+                LAYOUT,
+                OFFSETS_I32,
+                TILES_PER_BLOCK,
+                TILES_SEGMENTS,
+                True,
+            )
         else:
-            for n in range(0, hi, BLOCK_N):
-                kb_a = n // sparse_block
-                kb_b = (tl.minimum(n + BLOCK_N, hi) - 1) // sparse_block
-                # The smallest vertical column >= kb_a, tested against the tile's last block.
-                kb_v = kb_a + (kb_vert - kb_a % vert_stride + vert_stride) % vert_stride
-                if (kb_b >= kb_lo) | (kb_v <= kb_b):
-                    b_m, b_l, b_acc = attend_tile(
-                        b_q, b_m, b_l, b_acc, q_pos, n, seq_len, p_k_base, p_v_base, p_bt, page_size,
-                        stride_page, stride_tok, stride_d, o_d, m_d, qk_scale, g, i_h, mask_ptr,
-                        mask_head_stride, num_blocks, sparse_block, local_blocks, vert_stride, head_step,
-                        BLOCK_N, PAGE_ALIGNED, PAGE_SIZE_C, True, EVEN_D, LAYOUT, DOT_PRECISION,
-                    )  # fmt: skip
+            scan = (0, kb_lo, kb_vert, hi)
+            state = attend_tiles(
+                state,
+                b_q,
+                rows,
+                kv,
+                lay,
+                scan,
+                cdiv_jit(hi, BLOCK_N),
+                qk_scale,
+                BLOCK_N,
+                PAGE_ALIGNED,
+                PAGE_SIZE_C,
+                EVEN_D,
+                LAYOUT,
+                OFFSETS_I32,
+                TILES_PER_BLOCK,
+                TILES_SCAN,
+                True,
+            )
     else:
         o_list = i_t * tl.num_programs(1) + i_h
-        count = tl.load(tile_counts + o_list)
-        for j in range(0, count):
-            n = tl.load(tile_blocks + o_list * max_tile_blocks + j) * BLOCK_N
-            b_m, b_l, b_acc = attend_tile(
-                b_q, b_m, b_l, b_acc, q_pos, n, seq_len, p_k_base, p_v_base, p_bt, page_size,
-                stride_page, stride_tok, stride_d, o_d, m_d, qk_scale, g, i_h, mask_ptr,
-                mask_head_stride, num_blocks, sparse_block, local_blocks, vert_stride, head_step,
-                BLOCK_N, PAGE_ALIGNED, PAGE_SIZE_C, True, EVEN_D, LAYOUT, DOT_PRECISION,
-            )  # fmt: skip
+        listed = (tile_blocks + o_list * max_tile_blocks,)
+        state = attend_tiles(
+            state,
+            b_q,
+            rows,
+            kv,
+            lay,
+            listed,
+            tl.load(tile_counts + o_list),
+            qk_scale,
+            BLOCK_N,
+            PAGE_ALIGNED,
+            PAGE_SIZE_C,
+            EVEN_D,
+            LAYOUT,
+            OFFSETS_I32,
+            TILES_PER_BLOCK,
+            TILES_LIST,
+            True,
+        )
 
-    b_out, b_lse = finalize_rows(b_m, b_l, b_acc, qk_scale)
+    b_out, b_lse = finalize(state, qk_scale)
     p_o = out + o_tok[:, None] * stride_ot + i_h * stride_oh + o_d[None, :] * stride_od
     tl.store(p_o, b_out.to(out.dtype.element_ty), mask=m_md)
     tl.store(lse + o_tok * stride_lt + i_h * stride_lh, b_lse, mask=m_m)
 
 
-def _query_tiles(batch, block_m: int) -> tuple[list[int], list[int]]:
+def _query_tiles(batch, block_m: int) -> list[tuple[int, int]]:
     """(sequence, first query index) of every query tile, sequences without queries skipped."""
-    seqs, starts = [], []
-    for b in range(batch.num_seqs):
-        for m in range(0, batch.query_len(b), block_m):
-            seqs.append(b)
-            starts.append(m)
-    return seqs, starts
+    return [(b, m) for b in range(batch.num_seqs) for m in range(0, batch.query_len(b), block_m)]
 
 
-def _block_mask_tiles(layout, batch, seqs, starts, block_m, block_n, device):
+def _block_mask_tiles(layout, batch, tiles, block_m, block_n, device):
     """Compact per-(query tile, head) lists of the key tiles (BLOCK_N grid) holding an allowed block.
 
     Returns counts int32 [num_tiles, num_heads] and indices int32 [num_tiles, num_heads, max_count].
@@ -264,6 +360,7 @@ def _block_mask_tiles(layout, batch, seqs, starts, block_m, block_n, device):
     size = layout.block_size
     mask = layout.mask.to(device)  # [Hm, NB, NB]
     heads, nb = mask.shape[0], mask.shape[1]
+    seqs, starts = (list(column) for column in zip(*tiles, strict=True))
     context = torch.tensor([batch.seq_lens[b] - batch.query_len(b) for b in seqs], device=device)
     lens = torch.tensor([batch.seq_lens[b] for b in seqs], device=device)
     q_first = context + torch.tensor(starts, device=device)
@@ -281,62 +378,121 @@ def _block_mask_tiles(layout, batch, seqs, starts, block_m, block_n, device):
     cols = torch.cat([zeros, any_row.to(torch.int32).cumsum(2, dtype=torch.int32)], 2)
     # [Hm, num_tiles, num_key_tiles]
     active = ((cols[:, :, kb_b + 1] - cols[:, :, kb_a]) > 0) & (first.view(1, 1, -1) < hi.view(1, -1, 1))
-    active = active.expand(batch.num_heads, -1, -1).transpose(0, 1)
-    counts = active.sum(-1, dtype=torch.int32)
-    order = torch.sort((~active).to(torch.int8), dim=-1, stable=True).indices
-    width = max(int(counts.max()), 1)
-    return counts.contiguous(), order[:, :, :width].to(torch.int32).contiguous()
+    return compact_lists(active.expand(batch.num_heads, -1, -1).transpose(0, 1))
 
 
-def _launch(batch, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, layout):
-    device = q.device
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=device)
-    head_dim_pad = padded_head_dim(batch.head_dim)
-    block_m, block_n, num_warps, num_stages = _config(q.dtype, head_dim_pad)
-    seqs, starts = _query_tiles(batch, block_m)
-    if not seqs:
-        return out, lse
-    if k_cache.stride() != v_cache.stride():
-        k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
-    args = LayoutArgs(layout, batch.num_heads, device)
-    tile_seq = torch.tensor(seqs, dtype=torch.int32, device=device)
-    tile_start = torch.tensor(starts, dtype=torch.int32, device=device)
-    if args.kind == LAYOUT_BLOCK_MASK.value:
-        counts, blocks = _block_mask_tiles(layout, batch, seqs, starts, block_m, block_n, device)
-    else:
-        counts = blocks = torch.zeros(1, dtype=torch.int32, device=device)
-    grid = (len(seqs), batch.num_heads)
-    q_in, qk_scale = positive_scale(q, batch.scale)
-    paged_prefill_kernel[grid](
-        q_in,
-        out,
-        lse,
+class PrefillPlan:
+    """One validated `paged_prefill` call, ready to launch for any q and caches of the planned shapes.
+
+    Built by `plan_prefill` (the arguments of `paged_prefill`). `run(q, k_cache, v_cache)` refuses
+    with ValueError tensors that do not match the plan, and a plan whose metadata tensors were
+    modified in place since it was built (a stale plan).
+    """
+
+    def __init__(
+        self, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale, layout, return_lse
+    ):
+        self.batch = batch = validate_paged_prefill(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            scale=scale,
+            layout=layout,
+            return_lse=return_lse,
+        )
+        self.guard = PlanGuard(
+            q, k_cache, v_cache, block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc
+        )
+        self.return_lse = return_lse
+        device = q.device
+        # Integer metadata is read as contiguous memory by the kernel (a no-op when it already is).
+        self.block_tables, self.seq_lens = block_tables.contiguous(), seq_lens.contiguous()
+        self.query_start_loc = query_start_loc.contiguous()
+        self.args = LayoutArgs(layout, batch.num_heads, device)
+        self.block_m, self.block_n, self.num_warps, self.num_stages = _config(
+            q.dtype, padded_head_dim(batch.head_dim), self.args.kind
+        )
+        tiles = _query_tiles(batch, self.block_m)
+        self.grid = (len(tiles), batch.num_heads)
+        if not tiles:
+            return
+        # [num_tiles, 2]: (sequence, first query index) of each tile, in one host-to-device copy.
+        self.tiles = torch.tensor(tiles, dtype=torch.int32).to(device, non_blocking=True)
+        if self.args.kind == LAYOUT_BLOCK_MASK.value:
+            self.counts, self.blocks = _block_mask_tiles(
+                layout, batch, tiles, self.block_m, self.block_n, device
+            )
+        else:
+            self.counts = self.blocks = placeholder(device)
+        self.constants = self.args.kernel_kwargs() | dict(
+            BLOCK_M=self.block_m,
+            BLOCK_N=self.block_n,
+            SPARSE_ALIGNED=self.args.block_size % self.block_n == 0,
+            TILES_PER_BLOCK=max(self.args.block_size // self.block_n, 1),
+        )
+
+    def run(self, q, k_cache, v_cache):
+        """out [num_tokens, num_heads, head_dim] in q's dtype; with return_lse also lse float32."""
+        self.guard.check(q, k_cache, v_cache)
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        if hasattr(self, "constants"):
+            self._launch(q, k_cache, v_cache, out, lse)
+        return (out, lse) if self.return_lse else out
+
+    def _launch(self, q, k_cache, v_cache, out, lse):
+        if k_cache.stride() != v_cache.stride():
+            k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+        q_in, qk_scale = positive_scale(q, self.batch.scale)
+        paged_prefill_kernel[self.grid](
+            q_in,
+            out,
+            lse,
+            k_cache,
+            v_cache,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            self.tiles,
+            self.counts,
+            self.blocks,
+            self.blocks.shape[-1],
+            *q_in.stride(),
+            *out.stride(),
+            *lse.stride(),
+            *k_cache.stride(),
+            self.block_tables.stride(0),
+            qk_scale=qk_scale,
+            **self.constants,
+            **shared_launch_kwargs(self.batch, k_cache, self.block_n),
+            num_warps=self.num_warps,
+            num_stages=self.num_stages,
+            **({} if MAX_REGISTERS is None else {"maxnreg": MAX_REGISTERS}),
+        )
+
+
+def plan_prefill(
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale=None, layout=None, return_lse=False
+):
+    """Validates a `paged_prefill` call once; returns a plan whose `run(q, k_cache, v_cache)` launches it.
+
+    spec: `reference.paged_prefill.plan_prefill`. Arguments as `paged_prefill`; only the shapes,
+    dtypes and devices of q, k_cache and v_cache are planned, so one plan serves every layer.
+    """
+    return PrefillPlan(
+        q,
         k_cache,
         v_cache,
         block_tables,
         seq_lens,
         query_start_loc,
-        tile_seq,
-        tile_start,
-        counts,
-        blocks,
-        blocks.shape[-1],
-        *q_in.stride(),
-        *out.stride(),
-        *lse.stride(),
-        *k_cache.stride(),
-        block_tables.stride(0),
-        qk_scale=qk_scale,
-        **args.kernel_kwargs(),
-        **shared_launch_kwargs(batch, q.dtype, block_n),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        SPARSE_ALIGNED=args.block_size % block_n == 0,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        scale=scale,
+        layout=layout,
+        return_lse=return_lse,
     )
-    return out, lse
 
 
 def paged_prefill(
@@ -365,9 +521,10 @@ def paged_prefill(
             Also return the log-sum-exp. Default: `False`.
     Returns:
         out [num_tokens, num_heads, head_dim] in q's dtype; with `return_lse`, also
-        lse [num_tokens, num_heads] float32 (natural log; -inf and out 0 for a row with no key).
+        lse [num_tokens, num_heads] float32 (natural log; -inf and out 0 for a row with no key, NaN
+        for a row that sees a non-finite value).
     """
-    batch = validate_paged_prefill(
+    plan = plan_prefill(
         q,
         k_cache,
         v_cache,
@@ -378,5 +535,4 @@ def paged_prefill(
         layout=layout,
         return_lse=return_lse,
     )
-    out, lse = _launch(batch, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, layout)
-    return (out, lse) if return_lse else out
+    return plan.run(q, k_cache, v_cache)

@@ -1,6 +1,7 @@
 """KV-cache write in Triton: scatter each token's K/V rows to its flat slot.
 
 spec: `reference.write_kv.write_kv`. Slot `page_id * page_size + offset`; -1 means "do not write".
+Every tensor may be a non-contiguous view: K/V and caches are addressed through their strides.
 """
 
 import triton
@@ -77,6 +78,8 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping):
         None.
     """
     validate_write_kv(k, v, k_cache, v_cache, slot_mapping)
+    # The kernel reads slot t at offset t (a no-op when slot_mapping already is contiguous).
+    slot_mapping = slot_mapping.contiguous()
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return

@@ -18,7 +18,12 @@ Symbols used in shapes throughout the suite:
 Edge rules every implementation must copy:
     - causality is by absolute position: a query at position pq sees a key at pk only if pk <= pq
       (bottom-right alignment when a cached context precedes the queries);
-    - a query row with no allowed key gives output 0 and log-sum-exp -inf, never NaN;
+    - a query row with no allowed key gives output 0 and log-sum-exp -inf, never NaN (emptiness is
+      decided by the mask alone);
+    - a row whose query, or the K or V of any key it may see, holds NaN or Inf is NaN in every
+      element of out and in lse; such a value never reaches a row that does not see it, and
+      whatever lies where no row may look (past seq_len, unused pages, table padding) never reaches
+      any output;
     - lse is the natural-log log-sum-exp of the scaled, masked scores, in float32.
 """
 
@@ -29,8 +34,8 @@ from reference.layouts import (
     random_block_mask,
     sliding_window_block_mask,
 )
-from reference.paged_decode import paged_decode
-from reference.paged_prefill import paged_prefill
+from reference.paged_decode import paged_decode, plan_decode
+from reference.paged_prefill import paged_prefill, plan_prefill
 from reference.write_kv import write_kv
 
 __all__ = [
@@ -41,5 +46,7 @@ __all__ = [
     "sliding_window_block_mask",
     "paged_decode",
     "paged_prefill",
+    "plan_decode",
+    "plan_prefill",
     "write_kv",
 ]

@@ -1,9 +1,20 @@
 """Oracle of paged decode: `paged_prefill` with exactly one query per sequence (SPEC section 4)."""
 
-import torch
+from reference.paged_prefill import ReferencePlan
+from reference.validation import PlanGuard, validate_paged_decode
 
-from reference.paged_prefill import prefill_in_dtype
-from reference.validation import validate_paged_decode
+
+def plan_decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, layout=None, return_lse=False):
+    """Validates a `paged_decode` call once; returns a plan whose `run(q, k_cache, v_cache)` computes it.
+
+    Arguments as `paged_decode`; `run` refuses (ValueError) tensors of other shapes, dtypes or devices
+    and metadata modified in place after planning.
+    """
+    batch = validate_paged_decode(
+        q, k_cache, v_cache, block_tables, seq_lens, scale=scale, layout=layout, return_lse=return_lse
+    )
+    guard = PlanGuard(q, k_cache, v_cache, block_tables=block_tables, seq_lens=seq_lens)
+    return ReferencePlan(batch, guard, block_tables, layout, return_lse)
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, layout=None, return_lse=False):
@@ -29,10 +40,10 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, lay
             Also return the log-sum-exp. Default: `False`.
     Returns:
         out [num_seqs, num_heads, head_dim] in q's dtype; with `return_lse`, also
-        lse [num_seqs, num_heads] float32 (natural log; -inf and out 0 for a row with no key).
+        lse [num_seqs, num_heads] float32 (natural log; -inf and out 0 for a row with no key, NaN
+        for a row that sees a non-finite value).
     """
-    batch = validate_paged_decode(
+    plan = plan_decode(
         q, k_cache, v_cache, block_tables, seq_lens, scale=scale, layout=layout, return_lse=return_lse
     )
-    out, lse = prefill_in_dtype(batch, q, k_cache, v_cache, block_tables, layout, torch.float64)
-    return (out, lse) if return_lse else out
+    return plan.run(q, k_cache, v_cache)

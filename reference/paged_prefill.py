@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from reference.validation import PagedBatch, validate_paged_prefill
+from reference.validation import PagedBatch, PlanGuard, validate_paged_prefill
 
 
 def gather_pages(cache: torch.Tensor, pages: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -39,29 +39,43 @@ def masked_softmax_attention(q, k, v, mask, scale: float, compute_dtype: torch.d
             bool [num_heads, num_queries, num_keys], True where the key is visible.
     Returns:
         out [num_queries, num_heads, head_dim] and lse [num_queries, num_heads] (natural log), both
-        in `compute_dtype`. A row with no visible key gives out 0 and lse -inf.
+        in `compute_dtype`. A row with no visible key (decided by `mask` alone) gives out 0 and lse
+        -inf. A row whose query, or the K or V of a key it sees, holds NaN or Inf gives NaN in every
+        element of out and in lse; such values never reach a row that does not see them.
     """
     group = q.shape[1] // k.shape[1]
-    q, k, v = (t.to(compute_dtype) for t in (q, k, v))
+    mask = mask.to(q.device)
+    # [num_queries, num_heads] and [num_keys, num_kv_heads]: which inputs hold a non-finite value
+    q_bad = ~torch.isfinite(q).all(-1)
+    kv_bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))
+    # The arithmetic runs on zeroed copies, so that 0 * NaN of an unseen key cannot leak into a row.
+    q, k, v = (torch.where(torch.isfinite(t), t, torch.zeros_like(t)).to(compute_dtype) for t in (q, k, v))
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     # [num_heads, num_queries, num_keys]
     scores = torch.einsum("qhd,khd->hqk", q, k) * torch.tensor(scale, dtype=compute_dtype)
-    scores = scores.masked_fill(~mask.to(scores.device), -math.inf)
+    scores = scores.masked_fill(~mask, -math.inf)
+    # [num_heads, num_queries, 1]
+    has_key = mask.any(dim=-1, keepdim=True)
     row_max = (
         scores.amax(dim=-1, keepdim=True)
         if scores.shape[-1]
-        else scores.new_full((*scores.shape[:2], 1), -math.inf)
+        else torch.zeros_like(has_key, dtype=scores.dtype)
     )
     # An empty row has max -inf; pivot it at 0 so that exp gives 0 rather than NaN.
-    pivot = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    pivot = torch.where(has_key, row_max, torch.zeros_like(row_max))
     weights = torch.exp(scores - pivot)
     denom = weights.sum(dim=-1, keepdim=True)
     numer = torch.einsum("hqk,khd->hqd", weights, v)
-    out = torch.where(
-        denom > 0, numer / torch.where(denom > 0, denom, torch.ones_like(denom)), torch.zeros_like(numer)
-    )
-    lse = (pivot + torch.log(denom)).squeeze(-1)
+    safe = torch.where(has_key, denom, torch.ones_like(denom))
+    out = torch.where(has_key, numer / safe, torch.zeros_like(numer))
+    lse = torch.where(has_key, pivot + torch.log(safe), torch.full_like(pivot, -math.inf)).squeeze(-1)
+    # [num_heads, num_queries]: rows that see a non-finite input
+    bad = q_bad.transpose(0, 1) | (
+        mask & kv_bad.repeat_interleave(group, dim=1).transpose(0, 1)[:, None, :]
+    ).any(-1)
+    out = out.masked_fill(bad[..., None], math.nan)
+    lse = lse.masked_fill(bad, math.nan)
     return out.permute(1, 0, 2), lse.permute(1, 0)
 
 
@@ -109,6 +123,44 @@ def prefill_in_dtype(
     return out, lse
 
 
+class ReferencePlan:
+    """The oracle's planned path: the validated batch, run on any q and caches of the planned shapes.
+
+    The twin of `kernels.paged_prefill.PrefillPlan` (and of the decode plan), with the same refusals.
+    """
+
+    def __init__(self, batch: PagedBatch, guard: PlanGuard, block_tables, layout, return_lse: bool):
+        self.batch, self.guard, self.block_tables = batch, guard, block_tables
+        self.layout, self.return_lse = layout, return_lse
+
+    def run(self, q, k_cache, v_cache):
+        """out in q's dtype; with return_lse also lse float32 (as `paged_prefill`)."""
+        self.guard.check(q, k_cache, v_cache)
+        out, lse = prefill_in_dtype(
+            self.batch, q, k_cache, v_cache, self.block_tables, self.layout, torch.float64
+        )
+        return (out, lse) if self.return_lse else out
+
+
+def plan_prefill(
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale=None, layout=None, return_lse=False
+):
+    """Validates a `paged_prefill` call once; returns a plan whose `run(q, k_cache, v_cache)` computes it.
+
+    Arguments as `paged_prefill`. Only the shapes, dtypes and devices of q, k_cache and v_cache are
+    planned: `run` takes any tensors of those, and refuses (ValueError) others and metadata modified
+    in place after planning.
+    """
+    batch = validate_paged_prefill(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=scale, layout=layout,
+        return_lse=return_lse,
+    )  # fmt: skip
+    guard = PlanGuard(
+        q, k_cache, v_cache, block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc
+    )
+    return ReferencePlan(batch, guard, block_tables, layout, return_lse)
+
+
 def paged_prefill(
     q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale=None, layout=None, return_lse=False
 ):
@@ -136,18 +188,11 @@ def paged_prefill(
             Also return the log-sum-exp. Default: `False`.
     Returns:
         out [num_tokens, num_heads, head_dim] in q's dtype; with `return_lse`, also
-        lse [num_tokens, num_heads] float32 (natural log; -inf and out 0 for a row with no key).
+        lse [num_tokens, num_heads] float32 (natural log; -inf and out 0 for a row with no key, NaN
+        for a row that sees a non-finite value).
     """
-    batch = validate_paged_prefill(
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        scale=scale,
-        layout=layout,
+    plan = plan_prefill(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=scale, layout=layout,
         return_lse=return_lse,
-    )
-    out, lse = prefill_in_dtype(batch, q, k_cache, v_cache, block_tables, layout, torch.float64)
-    return (out, lse) if return_lse else out
+    )  # fmt: skip
+    return plan.run(q, k_cache, v_cache)

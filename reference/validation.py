@@ -104,43 +104,55 @@ def _check_layout(layout, num_heads: int, seq_lens: list[int]) -> None:
         raise ValueError(f"layout covers {layout.num_blocks} blocks, the longest sequence needs {needed}")
 
 
-def _check_block_tables(block_tables, seq_lens: list[int], page_size: int, num_pages: int) -> None:
-    if block_tables.shape[0] != len(seq_lens):
-        raise ValueError(f"block_tables has {block_tables.shape[0]} rows, expected {len(seq_lens)}")
+def _on_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The int32 metadata tensors on the CPU, moved there together: one transfer, one host sync."""
+    if all(t.device.type == "cpu" for t in tensors):
+        return list(tensors)
+    flat = torch.cat([t.reshape(-1) for t in tensors]).cpu()
+    return [
+        part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors, strict=True)
+    ]
+
+
+def _check_block_tables(table: torch.Tensor, seq_lens: list[int], page_size: int, num_pages: int) -> None:
+    """`table`: the block tables on the CPU."""
+    if table.shape[0] != len(seq_lens):
+        raise ValueError(f"block_tables has {table.shape[0]} rows, expected {len(seq_lens)}")
     pages_needed = [math.ceil(n / page_size) for n in seq_lens]
-    if max(pages_needed, default=0) > block_tables.shape[1]:
+    if max(pages_needed, default=0) > table.shape[1]:
         raise ValueError(
-            f"block_tables has {block_tables.shape[1]} columns, a sequence needs {max(pages_needed)} pages"
+            f"block_tables has {table.shape[1]} columns, a sequence needs {max(pages_needed)} pages"
         )
-    # One vectorised check (one host sync): every used entry lies in [0, num_pages).
-    needed = torch.tensor(pages_needed, dtype=torch.int64, device=block_tables.device)
-    used = torch.arange(block_tables.shape[1], device=block_tables.device).view(1, -1) < needed.view(-1, 1)
-    bad = used & ((block_tables < 0) | (block_tables >= num_pages))
+    # Every used entry lies in [0, num_pages): checked on the columns some sequence uses, and entry
+    # by entry only when an out-of-range id shows up there (it may be another sequence's padding).
+    columns = table[:, : max(pages_needed, default=0)]
+    if not columns.numel() or (int(columns.min()) >= 0 and int(columns.max()) < num_pages):
+        return
+    needed = torch.tensor(pages_needed, dtype=torch.int64).view(-1, 1)
+    bad = (torch.arange(columns.shape[1]).view(1, -1) < needed) & ((columns < 0) | (columns >= num_pages))
     if bool(bad.any()):
         b = int(bad.any(dim=1).nonzero()[0])
         raise ValueError(f"block_tables[{b}] holds a page id outside [0, {num_pages})")
 
 
-def validate_paged_prefill(
-    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale=None, layout=None, return_lse=False
-) -> PagedBatch:
-    """Validates the arguments of `paged_prefill` (SPEC section 4)."""
+def _check_metadata(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, layout, return_lse):
+    """The checks both attention operators share; `query_start_loc` None means one query per sequence."""
     num_kv_heads, page_size, num_pages = _check_cache(q, k_cache, v_cache)
     _tensor("block_tables", block_tables, 2, (torch.int32,))
     _tensor("seq_lens", seq_lens, 1, (torch.int32,))
-    _tensor("query_start_loc", query_start_loc, 1, (torch.int32,))
-    _same_device(
-        q=q,
-        k_cache=k_cache,
-        v_cache=v_cache,
-        block_tables=block_tables,
-        seq_lens=seq_lens,
-        query_start_loc=query_start_loc,
-    )
+    metadata = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens)
+    if query_start_loc is not None:
+        _tensor("query_start_loc", query_start_loc, 1, (torch.int32,))
+        metadata["query_start_loc"] = query_start_loc
+    _same_device(**metadata)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    both = torch.cat([seq_lens, query_start_loc]).tolist()  # one host sync for both
-    lens, starts = both[: seq_lens.shape[0]], both[seq_lens.shape[0] :]
+    if query_start_loc is None:
+        table, lens = _on_host(block_tables, seq_lens)
+        lens, starts = lens.tolist(), list(range(len(lens) + 1))
+    else:
+        table, lens, starts = _on_host(block_tables, seq_lens, query_start_loc)
+        lens, starts = lens.tolist(), starts.tolist()
     if len(starts) != len(lens) + 1:
         raise ValueError(
             f"query_start_loc must have num_seqs + 1 = {len(lens) + 1} entries, got {len(starts)}"
@@ -156,7 +168,7 @@ def validate_paged_prefill(
             raise ValueError(f"query_start_loc must be non-decreasing, it falls at index {b + 1}")
         if lens[b] < q_len:
             raise ValueError(f"seq_lens[{b}] ({lens[b]}) is smaller than its query count ({q_len})")
-    _check_block_tables(block_tables, lens, page_size, num_pages)
+    _check_block_tables(table, lens, page_size, num_pages)
     _check_layout(layout, q.shape[1], lens)
     return PagedBatch(
         num_heads=q.shape[1],
@@ -170,6 +182,17 @@ def validate_paged_prefill(
     )
 
 
+def validate_paged_prefill(
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale=None, layout=None, return_lse=False
+) -> PagedBatch:
+    """Validates the arguments of `paged_prefill` (contract §4), with one device-to-host transfer."""
+    if not isinstance(query_start_loc, torch.Tensor):
+        raise TypeError(f"query_start_loc must be a torch.Tensor, got {type(query_start_loc).__name__}")
+    return _check_metadata(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, layout, return_lse
+    )
+
+
 def validate_paged_decode(
     q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, layout=None, return_lse=False
 ) -> PagedBatch:
@@ -178,22 +201,22 @@ def validate_paged_decode(
     _tensor("seq_lens", seq_lens, 1, (torch.int32,))
     if seq_lens.shape[0] != q.shape[0]:
         raise ValueError(f"seq_lens has {seq_lens.shape[0]} entries, q has {q.shape[0]} sequences")
-    query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=seq_lens.device)
-    return validate_paged_prefill(
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        scale=scale,
-        layout=layout,
-        return_lse=return_lse,
-    )
+    return _check_metadata(q, k_cache, v_cache, block_tables, seq_lens, None, scale, layout, return_lse)
+
+
+def _check_no_overlap(name: str, t: torch.Tensor) -> None:
+    """ValueError when two elements of `t` share memory (an expanded view): it cannot be written."""
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape, strict=True) if n > 1)
+    reach = 0  # the largest offset spanned by the dims of smaller stride
+    for stride, size in dims:
+        if stride <= reach:
+            raise ValueError(f"{name} has overlapping elements (strides {t.stride()}); it cannot be written")
+        reach += stride * (size - 1)
 
 
 def validate_write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """Validates the arguments of `write_kv`: shapes, dtypes, slots in [-1, num_pages * page_size)."""
+    """Validates the arguments of `write_kv`: shapes, dtypes, slots in [-1, num_pages * page_size),
+    caches that can be written (no two elements in one memory location)."""
     _tensor("k", k, 3, SUPPORTED_DTYPES)
     _tensor("v", v, 3, SUPPORTED_DTYPES)
     _tensor("k_cache", k_cache, 4, SUPPORTED_DTYPES)
@@ -214,6 +237,8 @@ def validate_write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
         )
     if slot_mapping.shape[0] != k.shape[0]:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries, k has {k.shape[0]} tokens")
+    _check_no_overlap("k_cache", k_cache)
+    _check_no_overlap("v_cache", v_cache)
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     slots = slot_mapping.cpu()
     if slots.numel() and (int(slots.min()) < -1 or int(slots.max()) >= num_slots):
@@ -221,3 +246,40 @@ def validate_write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
     written = slots[slots >= 0]
     if written.unique().numel() != written.numel():
         raise ValueError("slot_mapping writes one slot twice")
+
+
+class PlanGuard:
+    """What a plan was built for, so that running it on anything else is refused (a stale plan).
+
+    A plan covers q and caches of the planned shapes, dtypes and devices (their values are free: one
+    plan serves every layer of a step) and the metadata tensors as they were when it was validated:
+    `check` raises ValueError when a tensor does not match, or when a metadata tensor was modified in
+    place since (its version counter moved). Writes that bypass torch's version counter (a custom
+    kernel writing through a raw pointer) cannot be seen: plan again after changing metadata.
+    """
+
+    def __init__(self, q, k_cache, v_cache, **metadata: torch.Tensor):
+        self.signatures = {
+            name: _signature(t) for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
+        }
+        self.metadata = {name: (t, t._version) for name, t in metadata.items()}
+
+    def check(self, q, k_cache, v_cache) -> None:
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if _signature(t) != self.signatures[name]:
+                planned = _describe(self.signatures[name])
+                raise ValueError(f"{name} {_describe(_signature(t))} does not match the plan's {planned}")
+        for name, (t, version) in self.metadata.items():
+            if t._version != version:
+                raise ValueError(f"stale plan: {name} was modified after planning; plan again")
+
+
+def _signature(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), t.dtype, t.device
+
+
+def _describe(signature: tuple) -> str:
+    shape, dtype, device = signature
+    return f"{list(shape)} {dtype} on {device}"

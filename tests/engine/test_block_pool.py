@@ -14,9 +14,10 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initial
 from engine import block_pool
 from engine.block_pool import BlockPool, PoolStats, pages_for
 from engine.sequence import SamplingParams, Sequence
+from harness.cases import EngineRequest, EngineStream
+from harness.strategies import pool_prompts
 from reference.prefix_cache import PrefixCacheModel
-from tests.examples import examples
-from tests.strategies import pool_prompts
+from tests.budgets import examples
 
 
 class ModelPool:
@@ -229,3 +230,61 @@ def test_block_pool_touch_before_allocate():
     assert pool.allocate(hits, 2) == [0, 2, 1]
     assert pool.stats.evictions == 0 and pool.num_cached_pages == 1
     pool.check_invariants()
+
+
+def computed(pool, seq_id: int, tokens: list[int]) -> Sequence:
+    """A new sequence looked up, allocated and computed in full on `pool`, its full pages offered."""
+    seq = Sequence(seq_id, tokens, SamplingParams())
+    hits = pool.lookup(seq)
+    seq.block_table = pool.allocate(hits, pages_for(len(tokens), pool.page_size) - len(hits), len(tokens))
+    seq.num_offered_pages, seq.num_computed_tokens = len(hits), len(tokens)
+    pool.cache_full_pages(seq)
+    return seq
+
+
+def test_block_pool_collision_with_another_parent_is_caught(monkeypatch):
+    """The hash ignores the parent: [B] after [D] collides with [B] after [A], same page tokens."""
+    # Imported here: test_engine imports ModelPool from this module.
+    from tests.engine.test_engine import assert_equivalent, make_llm, run_stream
+
+    honest = block_pool.hash_page
+    monkeypatch.setattr(block_pool, "hash_page", lambda parent, tokens, extra: honest(b"", tokens, extra))
+    pool = BlockPool(num_pages=8, page_size=2)
+    ab = computed(pool, 0, [1, 1, 2, 2, 5])
+    db = computed(pool, 1, [3, 3, 2, 2, 5])
+    assert pool.num_cached_pages == 3  # db's [2, 2] stays uncached: its hash is ab's
+    assert pool.lookup(Sequence(2, [1, 1, 2, 2, 7], SamplingParams())) == ab.block_table[:2]
+    assert pool.stats.collisions == 0
+    assert pool.lookup(Sequence(3, [3, 3, 2, 2, 7], SamplingParams())) == db.block_table[:1]
+    assert pool.stats.collisions == 1
+    pool.check_invariants()
+
+    a, b, d = [5] * 8, [6] * 8, [7] * 8
+    prompts = [a + b + [1, 2, 3], d + b + [4, 5], d + b + [8, 9, 10]]
+    stream = EngineStream(tuple(EngineRequest(tuple(p), 3, None, 40) for p in prompts), 8, 16, 512, 4)
+    llm = make_llm(stream)
+    warm = run_stream(llm, stream)
+    assert [o.num_cached_tokens for o in warm] == [0, 0, 8]  # [d] hits, the [b] after [a] does not
+    assert llm.stats()["hash_collisions"] == 1
+    assert_equivalent(warm, run_stream(make_llm(stream, caching=False), stream))
+
+
+def test_block_pool_prefix_cached_again_keeps_its_children():
+    """[1, 2] is cached by one page, then by another after an eviction; the page [3, 4] cached after
+    it by a sequence whose own [1, 2] page was a duplicate stays a hit, as in the reference model."""
+    for pool in (BlockPool(num_pages=3, page_size=2), ModelPool(num_pages=3, page_size=2)):
+        t = computed(pool, 0, [1, 2])
+        s = computed(pool, 1, [1, 2])  # the last page is never a hit: s's [1, 2] stays uncached
+        s.block_table += pool.allocate([], 1)
+        s.token_ids += [3, 4]
+        s.num_computed_tokens = 4
+        pool.cache_full_pages(s)
+        query = Sequence(2, [1, 2, 3, 4, 5], SamplingParams())
+        assert pool.lookup(query) == [t.block_table[0], s.block_table[1]] == [0, 2]
+        pool.free(t.block_table)
+        pool.free(s.block_table)
+        u = computed(pool, 3, [1, 2])  # takes t's page, evicting its [1, 2], and caches [1, 2] again
+        assert u.block_table == [0] and pool.stats.evictions == 1
+        assert pool.lookup(query) == [0, 2]
+        assert pool.stats.collisions == 0
+        pool.check_invariants()

@@ -17,10 +17,11 @@ import torch
 from hypothesis import event, given
 
 from engine import LLM, RequestOutput, SamplingParams, block_pool
+from harness.cases import EngineRequest, EngineStream
+from harness.strategies import request_streams
+from harness.tolerance import error_stats
+from tests.budgets import examples
 from tests.engine.test_block_pool import ModelPool
-from tests.examples import examples
-from tests.strategies import EngineRequest, EngineStream, request_streams
-from tests.tolerance import error_stats
 
 MAX_STEPS = 20_000
 

@@ -14,8 +14,9 @@ from engine.config import EngineConfig
 from engine.model_runner import Sample
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, Sequence, SequenceStatus
-from tests.examples import examples
-from tests.strategies import EngineRequest, EngineStream, request_streams
+from harness.cases import EngineRequest, EngineStream
+from harness.strategies import request_streams
+from tests.budgets import examples
 
 VOCAB = 128
 MAX_STEPS = 20_000

@@ -5,11 +5,11 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from tests.strategies import AttentionCase, LayoutSpec
 
 import reference
 from fuzz import backends, case_file
 from fuzz.targets import AttentionTarget, Result
-from tests.strategies import AttentionCase, LayoutSpec
 
 CASE = AttentionCase(
     seed=3,

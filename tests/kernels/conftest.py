@@ -1,39 +1,32 @@
-"""NaN poisoning (STYLE 15): outputs the kernels allocate start as NaN, so an unwritten one fails.
+"""Fixtures of the operator tests, which run against the implementation under test (`--backend`).
 
-Only allocations made from a frame inside `kernels/` are poisoned; test-side inputs are untouched.
+- NaN poisoning (STYLE 15): outputs the implementation allocates start as NaN, so an unwritten one
+  fails (harness/poison.py).
+- `run_case(case, decode=...)`: the one run-and-judge step (harness/judge.py) plus the error-ratio log
+  (harness/stats_log.py) and the failed / unsupported accounting of `expect`.
 """
 
-import math
-import pathlib
-import sys
-
 import pytest
-import torch
 
-import kernels
-
-KERNELS_DIR = str(pathlib.Path(kernels.__file__).resolve().parent)
-
-
-def _from_kernels() -> bool:
-    # Frame 0 is _from_kernels, 1 the patched allocator, 2 its caller.
-    return str(pathlib.Path(sys._getframe(2).f_code.co_filename).resolve()).startswith(KERNELS_DIR)
-
-
-def _poisoned(alloc):
-    def wrapper(*args, **kwargs):
-        t = alloc(*args, **kwargs)
-        if _from_kernels() and t.is_floating_point():
-            t.fill_(math.nan)
-        return t
-
-    return wrapper
+from harness.judge import judge_attention
+from harness.poison import poison_allocations
+from harness.stats_log import record
 
 
 @pytest.fixture(autouse=True)
-def nan_poisoning(monkeypatch):
-    """Fills torch.empty / empty_like / Tensor.new_empty results with NaN for kernels/ callers."""
-    monkeypatch.setattr(torch, "empty", _poisoned(torch.empty))
-    monkeypatch.setattr(torch, "empty_like", _poisoned(torch.empty_like))
-    monkeypatch.setattr(torch.Tensor, "new_empty", _poisoned(torch.Tensor.new_empty))
-    yield
+def nan_poisoning(impl):
+    with poison_allocations(impl.sources):
+        yield
+
+
+@pytest.fixture
+def run_case(impl, device, expect):
+    def run(case, *, decode: bool, single: bool = False, check_without_lse: bool = False):
+        verdict = judge_attention(
+            impl, case, decode=decode, device=device, check_without_lse=check_without_lse
+        )
+        record("paged_decode" if decode else "paged_prefill", case, verdict)
+        expect(verdict, single=single)
+        return verdict
+
+    return run

@@ -1,4 +1,4 @@
-"""`kernels.paged_prefill` against the float64 oracle with SPEC section 5's rule (out and lse)."""
+"""`paged_prefill` of the implementation under test against the float64 oracle (contract §5, out and lse)."""
 
 import dataclasses
 import math
@@ -6,15 +6,13 @@ import math
 import pytest
 import torch
 from hypothesis import given
+from hypothesis import strategies as st
 
-import kernels as tri
-import reference as ref
-from tests.bad_inputs import PREFILL_CASES, valid_prefill_args
-from tests.kernels.record import record
-from tests.oracle import oracle_and_base
-from tests.strategies import DTYPES, KERNEL_DTYPES, AttentionCase, LayoutSpec, attention_cases, build_inputs
-from tests.tolerance import assert_close
+from harness import bad_inputs
+from harness.cases import AttentionCase, LayoutSpec, attention_args, build_inputs
+from harness.strategies import attention_cases
 
+pytestmark = pytest.mark.operator("paged_prefill")
 GPU = torch.cuda.is_available()
 # The CPU interpreter costs ~5-8 ms per tile-loop iteration: small caps there.
 CAPS = (
@@ -23,37 +21,19 @@ CAPS = (
 PHI3 = LayoutSpec(kind="local_strided", block_size=64, local_blocks=16, vert_stride=8, num_heads_total=32)
 # On the CPU the Phi-3 regression cases keep 2 of the 32 heads (a tensor-parallel shard at offset 4).
 PHI3_HEADS = (32, 8) if GPU else (2, 1)
+DTYPES = ("float32", "float16", "bfloat16")
 
 
-def run_and_check(case: AttentionCase, device, *, check_without_lse: bool = False) -> None:
-    inputs = build_inputs(case, device)
-    (ref_out, ref_lse), (base_out, base_lse) = oracle_and_base(inputs)
-    args = [inputs[k] for k in ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "query_start_loc")]
-    out, lse = tri.paged_prefill(*args, scale=inputs["scale"], layout=inputs["layout"], return_lse=True)
-    dtype = DTYPES[case.dtype]
-    assert out.dtype == dtype and out.shape == inputs["q"].shape
-    record("paged_prefill", case, assert_close("paged_prefill out", out, ref_out, base_out, dtype), "out")
-    record("paged_prefill", case, assert_close("paged_prefill lse", lse, ref_lse, base_lse, dtype), "lse")
-    if not check_without_lse:
-        return
-    # Without return_lse the same output comes back alone.
-    alone = tri.paged_prefill(*args, scale=inputs["scale"], layout=inputs["layout"])
-    assert torch.equal(alone, out)
+@given(data=st.data())
+def test_paged_prefill(impl, run_case, data):
+    run_case(data.draw(attention_cases(caps=impl.capabilities, **CAPS)), decode=False)
 
 
-@given(attention_cases(**CAPS, dtypes=KERNEL_DTYPES))
-def test_paged_prefill(device, case):
-    run_and_check(case, device)
-
-
-@given(attention_cases(**CAPS, dtypes=KERNEL_DTYPES, layout_kinds=("local_strided",)))
-def test_paged_prefill_local_strided(device, case):
-    run_and_check(case, device)
-
-
-@given(attention_cases(**CAPS, dtypes=KERNEL_DTYPES, layout_kinds=("block_mask",)))
-def test_paged_prefill_block_mask(device, case):
-    run_and_check(case, device)
+@pytest.mark.parametrize("layout_kind", ["local_strided", "block_mask"])
+@given(data=st.data())
+def test_paged_prefill_sparse(impl, run_case, layout_kind, data):
+    case = data.draw(attention_cases(caps=impl.capabilities, layout_kinds=(layout_kind,), **CAPS))
+    run_case(case, decode=False)
 
 
 def _phi3_case(context: int, query: int, dtype: str, page_size: int = 16, seed: int = 0) -> AttentionCase:
@@ -83,14 +63,16 @@ VLLM_REGRESSIONS = [
 ]
 
 
+@pytest.mark.requires(context=True)
 @pytest.mark.parametrize("context, query", VLLM_REGRESSIONS)
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-def test_paged_prefill_vllm_regression(device, context, query, dtype):
-    run_and_check(_phi3_case(context, query, dtype), device)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_prefill_vllm_regression(run_case, context, query, dtype):
+    run_case(_phi3_case(context, query, dtype), decode=False, single=True)
 
 
-# Page size P and sparse block S are independent: every pair is supported (none raises), smaller,
-# equal, larger and non-dividing in both directions, with a context aligned to neither.
+# Page size P and sparse block S are independent: every pair is supported by the built-in kernels
+# (none raises), smaller, equal, larger and non-dividing in both directions, with a context aligned
+# to neither.
 PAGE_BLOCK_PAIRS = [
     (1, 16),
     (3, 16),
@@ -105,15 +87,11 @@ PAGE_BLOCK_PAIRS = [
 ]
 
 
-@pytest.mark.parametrize(
-    "page_size, block_size", [pytest.param(p, s, id=f"P{p}-S{s}") for p, s in PAGE_BLOCK_PAIRS]
-)
-@pytest.mark.parametrize("kind", ["local_strided", "block_mask"])
-def test_paged_prefill_page_block_pairs(device, page_size, block_size, kind):
+def _pair_case(page_size, block_size, layout_kind) -> AttentionCase:
     layout = LayoutSpec(
-        kind=kind, block_size=block_size, local_blocks=2, vert_stride=3, density=0.5, mask_seed=7
+        kind=layout_kind, block_size=block_size, local_blocks=2, vert_stride=3, density=0.5, mask_seed=7
     )
-    case = AttentionCase(
+    return AttentionCase(
         seed=page_size * 1000 + block_size,
         seq_lens=(93, 41),
         query_lens=(38, 41),
@@ -125,54 +103,128 @@ def test_paged_prefill_page_block_pairs(device, page_size, block_size, kind):
         input_scale=5.0,
         layout=layout,
     )
-    run_and_check(case, device)
 
 
-def test_paged_prefill_empty_rows(device):
-    # Density 0: every row is empty -> out 0 and lse -inf, never NaN (and every element written).
-    layout = LayoutSpec(kind="block_mask", block_size=16, density=0.0)
-    case = AttentionCase(
-        seed=3,
-        seq_lens=(40, 7),
-        query_lens=(25, 7),
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=80,
-        page_size=16,
-        dtype="float32",
-        layout=layout,
-    )
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(_pair_case(p, s, kind), id=f"{kind}-P{p}-S{s}")
+        for kind in ("local_strided", "block_mask")
+        for p, s in PAGE_BLOCK_PAIRS
+    ],
+)
+def test_paged_prefill_page_block_pairs(run_case, case):
+    run_case(case, decode=False, single=True)
+
+
+EMPTY_ROWS = AttentionCase(
+    seed=3,
+    seq_lens=(40, 7),
+    query_lens=(25, 7),
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=80,
+    page_size=16,
+    dtype="float32",
+    layout=LayoutSpec(kind="block_mask", block_size=16, density=0.0),
+)
+
+
+@pytest.mark.parametrize("case", [pytest.param(EMPTY_ROWS, id="all-rows-empty")])
+def test_paged_prefill_empty_rows(impl, device, run_case, case):
+    # Density 0: every row is empty -> out 0 and lse -inf exactly, never NaN (every element written).
     inputs = build_inputs(case, device)
-    args = [inputs[k] for k in ("q", "k_cache", "v_cache", "block_tables", "seq_lens", "query_start_loc")]
-    out, lse = tri.paged_prefill(*args, layout=inputs["layout"], return_lse=True)
+    if impl.capabilities.lse:
+        out, lse = impl.paged_prefill(
+            *attention_args(inputs, False), layout=inputs["layout"], return_lse=True
+        )
+        assert torch.equal(lse, torch.full_like(lse, -math.inf))
+    else:
+        out = impl.paged_prefill(*attention_args(inputs, False), layout=inputs["layout"])
     assert torch.equal(out, torch.zeros_like(out))
-    assert torch.equal(lse, torch.full_like(lse, -math.inf))
-    run_and_check(case, device)
+    run_case(case, decode=False, single=True)
 
 
-def test_paged_prefill_sequence_without_queries(device):
+NAMED = [
     # A sequence with no new token in the middle of a batch: its query range is empty.
-    case = AttentionCase(
-        seed=5,
-        seq_lens=(20, 33, 9),
-        query_lens=(20, 0, 4),
-        num_heads=2,
-        num_kv_heads=2,
-        head_dim=32,
-        page_size=4,
-        dtype="float32",
-        layout=LayoutSpec(kind="local_strided", block_size=4, local_blocks=2, vert_stride=3),
+    pytest.param(
+        AttentionCase(
+            seed=5,
+            seq_lens=(20, 33, 9),
+            query_lens=(20, 0, 4),
+            num_heads=2,
+            num_kv_heads=2,
+            head_dim=32,
+            page_size=4,
+            dtype="float32",
+            layout=LayoutSpec(kind="local_strided", block_size=4, local_blocks=2, vert_stride=3),
+        ),
+        id="sequence-without-queries",
+    ),
+    # scale < 0 (the kernels negate q), scale 0 (uniform weights), a saturating scale, a tiny one.
+    *[
+        pytest.param(
+            AttentionCase(
+                seed=11,
+                seq_lens=(70, 33),
+                query_lens=(30, 33),
+                num_heads=4,
+                num_kv_heads=2,
+                head_dim=60,
+                page_size=16,
+                dtype="float16",
+                input_scale=5.0,
+                scale=scale,
+                layout=LayoutSpec(kind="local_strided", block_size=16, local_blocks=2, vert_stride=3),
+            ),
+            id=f"scale-{name}-D60-padded",
+        )
+        for name, scale in (("negative", -0.3), ("zero", 0.0), ("saturating", 32.0), ("tiny", 1e-30))
+    ],
+]
+
+
+@pytest.mark.parametrize("case", NAMED)
+def test_paged_prefill_named(run_case, case):
+    run_case(case, decode=False, single=True, check_without_lse=True)
+
+
+@pytest.mark.requires(validates=True)
+@pytest.mark.parametrize(
+    "entry", bad_inputs.entries("paged_prefill", bad_inputs.Rejected), ids=lambda e: e.id
+)
+def test_paged_prefill_bad_input(impl, device, entry):
+    bad_inputs.check(
+        "paged_prefill", entry, impl.paged_prefill, device, dtype=bad_inputs.table_dtype(impl.capabilities)
     )
-    run_and_check(case, device, check_without_lse=True)
 
 
-@pytest.mark.parametrize("name, mutate, error, text", PREFILL_CASES, ids=[c[0] for c in PREFILL_CASES])
-def test_paged_prefill_bad_input(device, name, mutate, error, text):
-    for twin in (ref, tri):
-        args = valid_prefill_args(device)
-        mutate(args)
-        with pytest.raises(error, match=text):
-            twin.paged_prefill(**args)
+@pytest.mark.parametrize("entry", bad_inputs.entries("paged_prefill", bad_inputs.View), ids=lambda e: e.id)
+def test_paged_prefill_non_contiguous(impl, device, entry):
+    caps = impl.capabilities
+    bad_inputs.check(
+        "paged_prefill",
+        entry,
+        impl.paged_prefill,
+        device,
+        dtype=bad_inputs.table_dtype(caps),
+        with_lse=caps.lse,
+    )
+
+
+@pytest.mark.parametrize(
+    "entry", bad_inputs.entries("paged_prefill", bad_inputs.NonFinite), ids=lambda e: e.id
+)
+def test_paged_prefill_non_finite(impl, device, entry):
+    caps = impl.capabilities
+    bad_inputs.check(
+        "paged_prefill",
+        entry,
+        impl.paged_prefill,
+        device,
+        dtype=bad_inputs.table_dtype(caps),
+        with_lse=caps.lse,
+    )
 
 
 # GPU only: Phi-3-small shapes (32 query heads, 8 KV heads, D 128, S 64) up to 8k tokens.
@@ -184,9 +236,10 @@ PHI3_GPU_CASES = [
 
 
 @pytest.mark.gpu
+@pytest.mark.requires(context=True)
 @pytest.mark.parametrize("context, query", PHI3_GPU_CASES)
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-def test_paged_prefill_phi3_small_gpu(device, context, query, dtype):
-    run_and_check(_phi3_case(context, query, dtype, seed=context + query), device)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_prefill_phi3_small_gpu(run_case, context, query, dtype):
+    run_case(_phi3_case(context, query, dtype, seed=context + query), decode=False, single=True)
     dense = dataclasses.replace(_phi3_case(context, query, dtype, seed=1), layout=LayoutSpec())
-    run_and_check(dense, device)
+    run_case(dense, decode=False, single=True)

@@ -1,54 +1,40 @@
-"""`kernels.write_kv` against the oracle: an exact scatter (structural output, compared with equal)."""
+"""`write_kv` of the implementation under test against the oracle: an exact scatter (bit for bit)."""
 
 import pytest
-import torch
 from hypothesis import given
+from hypothesis import strategies as st
 
-import kernels as tri
-import reference as ref
-from tests.bad_inputs import WRITE_KV_CASES, valid_write_kv_args
-from tests.strategies import DTYPES, write_kv_cases
+from harness import bad_inputs
+from harness.cases import write_kv_case_inputs
+from harness.judge import judge_write_kv
+from harness.strategies import write_kv_cases
 
-
-def _inputs(case, device):
-    gen = torch.Generator().manual_seed(case.seed)
-    dtype = DTYPES[case.dtype]
-    slots = torch.randperm(case.page_size * case.num_pages, generator=gen)[: case.num_tokens]
-    slots[torch.rand(case.num_tokens, generator=gen) < case.pad_fraction] = -1
-    shape = (case.num_tokens, case.num_kv_heads, case.head_dim)
-    cache_shape = (case.num_pages, case.page_size, case.num_kv_heads, case.head_dim)
-    k, v = (torch.randn(shape, generator=gen).to(dtype).to(device) for _ in range(2))
-    k_cache, v_cache = (torch.randn(cache_shape, generator=gen).to(dtype).to(device) for _ in range(2))
-    return k, v, k_cache, v_cache, slots.to(device)
+pytestmark = pytest.mark.operator("write_kv")
 
 
-@given(write_kv_cases())
-def test_write_kv(device, case):
-    k, v, k_cache, v_cache, slots = _inputs(case, device)
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    ref.write_kv(k, v, k_ref, v_ref, slots)
-    tri.write_kv(k, v, k_cache, v_cache, slots)
-    assert torch.equal(k_cache, k_ref)
-    assert torch.equal(v_cache, v_ref)
+@given(data=st.data())
+def test_write_kv(impl, device, expect, data):
+    case = data.draw(write_kv_cases(caps=impl.capabilities))
+    expect(judge_write_kv(impl, write_kv_case_inputs(case, device)))
 
 
-def test_write_kv_strided_cache(device):
-    # v_cache with other strides than k_cache (a permuted view of a contiguous buffer).
-    k = torch.randn(5, 2, 16, device=device)
-    v = torch.randn(5, 2, 16, device=device)
-    k_cache = torch.zeros(3, 4, 2, 16, device=device)
-    v_cache = torch.zeros(3, 2, 4, 16, device=device).transpose(1, 2)
-    slots = torch.tensor([0, 11, -1, 4, 7], dtype=torch.int64, device=device)
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    ref.write_kv(k, v, k_ref, v_ref, slots)
-    tri.write_kv(k, v, k_cache, v_cache, slots)
-    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+@pytest.mark.requires(validates=True)
+@pytest.mark.parametrize("entry", bad_inputs.entries("write_kv", bad_inputs.Rejected), ids=lambda e: e.id)
+def test_write_kv_bad_input(impl, device, entry):
+    bad_inputs.check(
+        "write_kv", entry, impl.write_kv, device, dtype=bad_inputs.table_dtype(impl.capabilities)
+    )
 
 
-@pytest.mark.parametrize("name, mutate, error, text", WRITE_KV_CASES, ids=[c[0] for c in WRITE_KV_CASES])
-def test_write_kv_bad_input(device, name, mutate, error, text):
-    for twin in (ref, tri):
-        args = valid_write_kv_args(device)
-        mutate(args)
-        with pytest.raises(error, match=text):
-            twin.write_kv(**args)
+@pytest.mark.parametrize("entry", bad_inputs.entries("write_kv", bad_inputs.View), ids=lambda e: e.id)
+def test_write_kv_non_contiguous(impl, device, entry):
+    bad_inputs.check(
+        "write_kv", entry, impl.write_kv, device, dtype=bad_inputs.table_dtype(impl.capabilities)
+    )
+
+
+@pytest.mark.parametrize("entry", bad_inputs.entries("write_kv", bad_inputs.NonFinite), ids=lambda e: e.id)
+def test_write_kv_non_finite(impl, device, entry):
+    bad_inputs.check(
+        "write_kv", entry, impl.write_kv, device, dtype=bad_inputs.table_dtype(impl.capabilities)
+    )

@@ -8,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import reference as ref
-from tests.examples import examples
-from tests.strategies import block_sizes, local_strided_layouts
+from harness.strategies import block_sizes, local_strided_layouts
+from tests.budgets import examples
 
 
 def allowed_by_formula(layout: ref.LocalStridedLayout, num_heads: int, h: int, qb: int, kb: int) -> bool:

@@ -6,8 +6,9 @@ import torch
 from hypothesis import given
 
 import reference as ref
-from tests.examples import examples
-from tests.strategies import DTYPES, attention_cases, build_inputs
+from harness.cases import DTYPES, build_inputs
+from harness.strategies import attention_cases
+from tests.budgets import examples
 
 CPU = torch.device("cpu")
 

@@ -9,9 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import reference as ref
-from tests.examples import examples
-from tests.oracle import oracle_and_base
-from tests.strategies import DTYPES, AttentionCase, LayoutSpec, attention_cases, build_inputs
+from harness.cases import DTYPES, AttentionCase, LayoutSpec, build_inputs
+from harness.judge import oracle_and_base
+from harness.strategies import attention_cases
+from tests.budgets import examples
 
 CPU = torch.device("cpu")
 # float64 results reached along different summation orders: with inputs x5 and scale 0.3 the scores

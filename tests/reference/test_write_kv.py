@@ -5,8 +5,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import reference as ref
-from tests.examples import examples
-from tests.strategies import DTYPES, page_sizes
+from harness.cases import DTYPES
+from harness.strategies import page_sizes
+from tests.budgets import examples
 
 
 @examples(8)
