@@ -467,7 +467,7 @@ def check(op: str, entry, fn, device, *, dtype=torch.float32, with_lse: bool = T
         outputs = _call(op, fn, {k: v.clone() for k, v in args.items()}, with_lse)
         q = args["q"]
         verdict = judge_outputs(op, outputs, oracle_and_base(_oracle_inputs(op, args)), q.dtype, q.shape)
-    if not verdict.passed:
+    if verdict.status == "failed":
         raise AssertionError(f"{op} [{entry.id}]: {verdict.message}")
     return "judged"
 

@@ -35,7 +35,7 @@ class Verdict:
 
     @property
     def passed(self) -> bool:
-        return self.status != "failed"
+        return self.status == "passed"
 
 
 def oracle_and_base(inputs: dict):
@@ -155,8 +155,15 @@ def same_bits(a, b) -> bool:
     )
 
 
-def judge_write_kv(impl, inputs: dict) -> Verdict:
-    """write_kv on clones of the inputs' caches against the oracle's write: equal bit for bit."""
+def judge_write_kv(impl, inputs: dict, case=None) -> Verdict:
+    """write_kv on clones of the inputs' caches against the oracle's write: equal bit for bit.
+
+    With `case`, an implementation that does not declare it (or provides no write_kv) is
+    `unsupported` rather than called.
+    """
+    refused = impl.refuses(case, "write_kv") if case is not None else None
+    if refused:
+        return Verdict("unsupported", message=refused)
     expect = {k: inputs[k].clone() for k in ("k_cache", "v_cache")}
     got = {k: inputs[k].clone() for k in ("k_cache", "v_cache")}
     reference.write_kv(inputs["k"], inputs["v"], expect["k_cache"], expect["v_cache"], inputs["slot_mapping"])

@@ -11,7 +11,8 @@ An implementation is named by one string, the same for `nox -s tests -- --backen
 The object needs the attributes `write_kv`, `paged_prefill` and `paged_decode` (callables with the
 operator signatures of contract §4, or None where not provided; a missing attribute counts as None)
 and may have `capabilities`, a mapping with any of the keys of `Capabilities`. It may also provide
-`plan_prefill` / `plan_decode` (the planned path of `kernels`); the engine uses them when present.
+`plan_write_kv` / `plan_prefill` / `plan_decode` (the planned path of `kernels`); the engine uses them
+when present.
 """
 
 import hashlib
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field, fields
 from harness.cases import DTYPES, LAYOUT_KINDS
 
 OPERATORS = ("write_kv", "paged_prefill", "paged_decode")
-PLANNERS = ("plan_prefill", "plan_decode")
+PLANNERS = ("plan_write_kv", "plan_prefill", "plan_decode")
 ALL_DTYPES = tuple(DTYPES)
 DEFAULT_BACKEND = "triton"
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -143,6 +144,15 @@ class Implementation:
         return self.capabilities.refuses(case, op)
 
 
+def _own_doc(obj) -> str:
+    """The object's own docstring: an instance (a SimpleNamespace, say) does not inherit its class's."""
+    if inspect.ismodule(obj):
+        return ""
+    if not (inspect.isclass(obj) or inspect.isroutine(obj)) and obj.__doc__ is type(obj).__doc__:
+        return ""
+    return inspect.getdoc(obj) or ""
+
+
 def _interpreted() -> bool:
     import os
 
@@ -230,7 +240,7 @@ def load(name: str) -> Implementation:
             raise ValueError(f"{where} has no attribute {attr!r} (implementation {name!r})")
         obj = getattr(module, attr)
         caps = getattr(obj, "capabilities", None)
-        description = (inspect.getdoc(obj) or "").split("\n")[0] if not inspect.ismodule(obj) else ""
+        description = _own_doc(obj).split("\n")[0]
     else:
         raise ValueError(
             f"unknown implementation {name!r}: use a built-in name ({', '.join(BUILTINS)}), "

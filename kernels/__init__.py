@@ -7,6 +7,6 @@ are the planned path: validate once, then `plan.run(q, k_cache, v_cache)` per la
 
 from kernels.paged_decode import paged_decode, plan_decode
 from kernels.paged_prefill import paged_prefill, plan_prefill
-from kernels.write_kv import write_kv
+from kernels.write_kv import plan_write_kv, write_kv
 
-__all__ = ["paged_decode", "paged_prefill", "plan_decode", "plan_prefill", "write_kv"]
+__all__ = ["paged_decode", "paged_prefill", "plan_decode", "plan_prefill", "plan_write_kv", "write_kv"]

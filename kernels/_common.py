@@ -341,18 +341,13 @@ def _attend_one(
             b_seen = b_seen | (tl.max(m_s.to(tl.int32), 1) > 0)
     # b_m starts at FINITE_MIN and stays finite, so a row with no key yet gets alpha 1 and p 0.
     b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
-    if b_q.dtype == tl.float64:
-        # Subtract the max before scaling (qk_scale >= 0): the difference is exact or small, so the
-        # largest weights carry no rounding of the full score * scale product (float32 accuracy).
-        b_alpha = tl.exp2(((b_m - b_m_new) * qk_scale).to(tl.float32))
-        b_p = tl.exp2(((b_s - b_m_new[:, None]) * qk_scale).to(tl.float32))
-    else:
-        # One FFMA per score: s * c - m * c. Its rounding (2^-24 of |m c|) stays far under the
-        # error of 16-bit inputs, and a separate subtract would cost an instruction per score. A row
-        # with no key yet has m = FINITE_MIN, whose product may overflow: clamped, it stays finite.
-        b_mc = tl.maximum(b_m_new * qk_scale, FINITE_MIN)
-        b_alpha = tl.exp2(b_m * qk_scale - b_mc)
-        b_p = tl.exp2(b_s * qk_scale - b_mc[:, None])
+    # Subtract the max before scaling (qk_scale >= 0): the difference is exact or small, so the
+    # largest weight is exactly 1 and none carries the rounding of the full score * scale product.
+    # (One FFMA, s * c - m * c, leaves the max's weight at 2^(rounding of m * c): at a saturating
+    # scale that is ~2^-9 off 1, so its 16-bit P rounds away from l; the H200 measured it 566x over
+    # contract §5's bound and no faster: docs/kernels-notes.md.)
+    b_alpha = tl.exp2(((b_m - b_m_new) * qk_scale).to(tl.float32))
+    b_p = tl.exp2(((b_s - b_m_new[:, None]) * qk_scale).to(tl.float32))
     if MASKED:
         # (-inf) * 0 is NaN when scale == 0: masked weights are set, not computed.
         b_p = tl.where(m_s, b_p, 0.0)

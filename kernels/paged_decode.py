@@ -420,7 +420,9 @@ class DecodePlan:
         self.batch = batch = validate_paged_decode(
             q, k_cache, v_cache, block_tables, seq_lens, scale=scale, layout=layout, return_lse=return_lse
         )
-        self.guard = PlanGuard(q, k_cache, v_cache, block_tables=block_tables, seq_lens=seq_lens)
+        self.guard = PlanGuard(
+            dict(q=q, k_cache=k_cache, v_cache=v_cache), dict(block_tables=block_tables, seq_lens=seq_lens)
+        )
         self.return_lse = return_lse
         # Integer metadata is read as contiguous memory by the kernel (a no-op when it already is).
         self.block_tables, self.seq_lens = block_tables.contiguous(), seq_lens.contiguous()
@@ -461,7 +463,7 @@ class DecodePlan:
 
     def run(self, q, k_cache, v_cache):
         """out [num_seqs, num_heads, head_dim] in q's dtype; with return_lse also lse float32."""
-        self.guard.check(q, k_cache, v_cache)
+        self.guard.check(q=q, k_cache=k_cache, v_cache=v_cache)
         batch = self.batch
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)

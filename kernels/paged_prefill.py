@@ -404,7 +404,8 @@ class PrefillPlan:
             return_lse=return_lse,
         )
         self.guard = PlanGuard(
-            q, k_cache, v_cache, block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc
+            dict(q=q, k_cache=k_cache, v_cache=v_cache),
+            dict(block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc),
         )
         self.return_lse = return_lse
         device = q.device
@@ -436,7 +437,7 @@ class PrefillPlan:
 
     def run(self, q, k_cache, v_cache):
         """out [num_tokens, num_heads, head_dim] in q's dtype; with return_lse also lse float32."""
-        self.guard.check(q, k_cache, v_cache)
+        self.guard.check(q=q, k_cache=k_cache, v_cache=v_cache)
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         if hasattr(self, "constants"):

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from kernels._common import MIN_DOT
-from reference.validation import validate_write_kv
+from reference.validation import PlanGuard, validate_write_kv
 
 NUM_WARPS = 4
 
@@ -62,6 +62,55 @@ def write_kv_kernel(
         tl.store(v_cache + o_dst_v, tl.load(v + o_src_v, mask=m_hd), mask=m_hd)
 
 
+class WritePlan:
+    """One validated `write_kv` call, ready to launch for any K/V and caches of the planned shapes.
+
+    Built by `plan_write_kv`; `run` refuses with ValueError tensors that do not match the plan and a
+    slot_mapping modified in place since it was built (a stale plan).
+    """
+
+    def __init__(self, k, v, k_cache, v_cache, slot_mapping):
+        validate_write_kv(k, v, k_cache, v_cache, slot_mapping)
+        self.guard = PlanGuard(
+            dict(k=k, v=v, k_cache=k_cache, v_cache=v_cache), dict(slot_mapping=slot_mapping)
+        )
+        # The kernel reads slot t at offset t (a no-op when slot_mapping already is contiguous).
+        self.slot_mapping = slot_mapping.contiguous()
+
+    def run(self, k, v, k_cache, v_cache) -> None:
+        """Writes token t's K/V to its planned slot, in place."""
+        self.guard.check(k=k, v=v, k_cache=k_cache, v_cache=v_cache)
+        num_tokens, num_kv_heads, head_dim = k.shape
+        if num_tokens == 0:
+            return
+        write_kv_kernel[(num_tokens,)](
+            k,
+            v,
+            k_cache,
+            v_cache,
+            self.slot_mapping,
+            *k.stride(),
+            *v.stride(),
+            *k_cache.stride(),
+            *v_cache.stride(),
+            page_size=k_cache.shape[1],
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            BLOCK_H=triton.next_power_of_2(num_kv_heads),
+            BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)),
+            num_warps=NUM_WARPS,
+        )
+
+
+def plan_write_kv(k, v, k_cache, v_cache, slot_mapping):
+    """Validates a `write_kv` call once; returns a plan whose `run(k, v, k_cache, v_cache)` launches it.
+
+    spec: `reference.write_kv.plan_write_kv`. Only shapes, dtypes and devices of K/V and the caches are
+    planned, so one plan serves every layer of a step.
+    """
+    return WritePlan(k, v, k_cache, v_cache, slot_mapping)
+
+
 def write_kv(k, v, k_cache, v_cache, slot_mapping):
     """Writes token t's K/V to slot `slot_mapping[t] = page_id * page_size + offset`, in place.
 
@@ -77,26 +126,4 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping):
     Returns:
         None.
     """
-    validate_write_kv(k, v, k_cache, v_cache, slot_mapping)
-    # The kernel reads slot t at offset t (a no-op when slot_mapping already is contiguous).
-    slot_mapping = slot_mapping.contiguous()
-    num_tokens, num_kv_heads, head_dim = k.shape
-    if num_tokens == 0:
-        return
-    write_kv_kernel[(num_tokens,)](
-        k,
-        v,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        *k.stride(),
-        *v.stride(),
-        *k_cache.stride(),
-        *v_cache.stride(),
-        page_size=k_cache.shape[1],
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)),
-        num_warps=NUM_WARPS,
-    )
+    plan_write_kv(k, v, k_cache, v_cache, slot_mapping).run(k, v, k_cache, v_cache)

@@ -1,7 +1,7 @@
 """The float64 oracle of the suite: block-sparse attention over a paged KV cache.
 
 Everything here is slow on purpose and imports only torch and the standard library. The kernels
-in `kernels/` and the engine in `engine/` are tested against it; SPEC.md is its contract.
+in `kernels/` and the engine in `engine/` are tested against it; docs/contract.md is its contract.
 
 Symbols used in shapes throughout the suite:
     num_tokens          T, query tokens of a packed batch
@@ -36,7 +36,7 @@ from reference.layouts import (
 )
 from reference.paged_decode import paged_decode, plan_decode
 from reference.paged_prefill import paged_prefill, plan_prefill
-from reference.write_kv import write_kv
+from reference.write_kv import plan_write_kv, write_kv
 
 __all__ = [
     "BlockMaskLayout",
@@ -48,5 +48,6 @@ __all__ = [
     "paged_prefill",
     "plan_decode",
     "plan_prefill",
+    "plan_write_kv",
     "write_kv",
 ]

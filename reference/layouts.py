@@ -1,4 +1,4 @@
-"""Block-sparse layouts (SPEC section 2): which (query block, key block) pairs each head attends.
+"""Block-sparse layouts (contract §2): which (query block, key block) pairs each head attends.
 
 The token rule is always `allowed(h, pq, pk) = pk <= pq and block_allowed(h, pq // S, pk // S)`.
 """
@@ -24,7 +24,7 @@ def _check_positions(q_pos: torch.Tensor, k_pos: torch.Tensor) -> None:
 
 
 class LocalStridedLayout:
-    """Phi-3-small's local + vertical-stride layout (SPEC section 2.1).
+    """Phi-3-small's local + vertical-stride layout (contract §2.1).
 
     With `step = 0 if homo_head else max(1, vert_stride // num_heads_total)` and the global head
     index `g = head_offset + h`, key block kb is visible from query block qb when
@@ -67,7 +67,7 @@ class LocalStridedLayout:
         )
 
     def head_step(self, num_heads: int) -> int:
-        """The per-head shift of the vertical columns, `step` of SPEC section 2.1."""
+        """The per-head shift of the vertical columns, `step` of contract §2.1."""
         total = num_heads if self.num_heads_total is None else self.num_heads_total
         if self.head_offset + num_heads > total:
             raise ValueError(
@@ -103,7 +103,7 @@ class LocalStridedLayout:
 
 
 class BlockMaskLayout:
-    """A general block layout from an explicit boolean mask (SPEC section 2.2).
+    """A general block layout from an explicit boolean mask (contract §2.2).
 
     The stored mask is combined with the causal rule: key block kb above the diagonal (kb > qb) is
     never visible, whatever the mask says. Rows may be empty.

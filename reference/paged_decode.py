@@ -1,4 +1,4 @@
-"""Oracle of paged decode: `paged_prefill` with exactly one query per sequence (SPEC section 4)."""
+"""Oracle of paged decode: `paged_prefill` with exactly one query per sequence (contract §4)."""
 
 from reference.paged_prefill import ReferencePlan
 from reference.validation import PlanGuard, validate_paged_decode
@@ -13,7 +13,9 @@ def plan_decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, layo
     batch = validate_paged_decode(
         q, k_cache, v_cache, block_tables, seq_lens, scale=scale, layout=layout, return_lse=return_lse
     )
-    guard = PlanGuard(q, k_cache, v_cache, block_tables=block_tables, seq_lens=seq_lens)
+    guard = PlanGuard(
+        dict(q=q, k_cache=k_cache, v_cache=v_cache), dict(block_tables=block_tables, seq_lens=seq_lens)
+    )
     return ReferencePlan(batch, guard, block_tables, layout, return_lse)
 
 

@@ -1,4 +1,4 @@
-"""Oracle of block-sparse prefill over a paged KV cache (SPEC sections 1-4).
+"""Oracle of block-sparse prefill over a paged KV cache (contract §1-4).
 
 Per sequence: gather K/V through the block table, materialise the token mask of the layout
 (causal by absolute position), and apply `softmax(scale * q k^T + mask) v` with `-inf` masking.
@@ -101,7 +101,7 @@ def prefill_in_dtype(
     """The oracle's computation for a validated batch, in `compute_dtype`.
 
     The test suite uses it twice: in float64 with `cast_outputs=False` (the unrounded oracle) and in
-    the input dtype (the `base` of the tolerance rule, SPEC section 5). Returns:
+    the input dtype (the `base` of the tolerance rule, contract §5). Returns:
     out [num_tokens, num_heads, head_dim] and lse [num_tokens, num_heads], in q's dtype and float32
     when `cast_outputs`, else in `compute_dtype`.
     """
@@ -135,7 +135,7 @@ class ReferencePlan:
 
     def run(self, q, k_cache, v_cache):
         """out in q's dtype; with return_lse also lse float32 (as `paged_prefill`)."""
-        self.guard.check(q, k_cache, v_cache)
+        self.guard.check(q=q, k_cache=k_cache, v_cache=v_cache)
         out, lse = prefill_in_dtype(
             self.batch, q, k_cache, v_cache, self.block_tables, self.layout, torch.float64
         )
@@ -156,7 +156,8 @@ def plan_prefill(
         return_lse=return_lse,
     )  # fmt: skip
     guard = PlanGuard(
-        q, k_cache, v_cache, block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc
+        dict(q=q, k_cache=k_cache, v_cache=v_cache),
+        dict(block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc),
     )
     return ReferencePlan(batch, guard, block_tables, layout, return_lse)
 

@@ -1,4 +1,4 @@
-"""A slow, obviously-correct model of automatic prefix caching (SPEC section 6).
+"""A slow, obviously-correct model of automatic prefix caching (contract §6).
 
 It implements the engine's page policy (`engine.block_pool`) a different way, for differential tests:
 no hashes, no linked lists. A cached page is keyed by `(cache_salt, every token id up to the end of

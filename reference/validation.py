@@ -251,21 +251,20 @@ def validate_write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
 class PlanGuard:
     """What a plan was built for, so that running it on anything else is refused (a stale plan).
 
-    A plan covers q and caches of the planned shapes, dtypes and devices (their values are free: one
-    plan serves every layer of a step) and the metadata tensors as they were when it was validated:
-    `check` raises ValueError when a tensor does not match, or when a metadata tensor was modified in
-    place since (its version counter moved). Writes that bypass torch's version counter (a custom
-    kernel writing through a raw pointer) cannot be seen: plan again after changing metadata.
+    A plan covers the per-call tensors (`planned`: q and the caches, or K/V and the caches) of the
+    planned shapes, dtypes and devices (their values are free: one plan serves every layer of a
+    step) and the metadata tensors as they were when it was validated: `check` raises ValueError
+    when a tensor does not match, or when a metadata tensor was modified in place since (its version
+    counter moved). Writes that bypass torch's version counter (a custom kernel writing through a
+    raw pointer) cannot be seen: plan again after changing metadata.
     """
 
-    def __init__(self, q, k_cache, v_cache, **metadata: torch.Tensor):
-        self.signatures = {
-            name: _signature(t) for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
-        }
+    def __init__(self, planned: dict, metadata: dict):
+        self.signatures = {name: _signature(t) for name, t in planned.items()}
         self.metadata = {name: (t, t._version) for name, t in metadata.items()}
 
-    def check(self, q, k_cache, v_cache) -> None:
-        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+    def check(self, **tensors: torch.Tensor) -> None:
+        for name, t in tensors.items():
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
             if _signature(t) != self.signatures[name]:
@@ -277,9 +276,10 @@ class PlanGuard:
 
 
 def _signature(t: torch.Tensor) -> tuple:
-    return tuple(t.shape), t.dtype, t.device
+    # Strides too: a plan's int32-offset choice and layout tables assume the planned memory layout.
+    return tuple(t.shape), tuple(t.stride()), t.dtype, t.device
 
 
 def _describe(signature: tuple) -> str:
-    shape, dtype, device = signature
-    return f"{list(shape)} {dtype} on {device}"
+    shape, stride, dtype, device = signature
+    return f"{list(shape)} (strides {list(stride)}) {dtype} on {device}"

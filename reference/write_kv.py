@@ -1,6 +1,36 @@
-"""Oracle of the KV-cache write: scatter each token's K/V to its flat slot (SPEC section 3)."""
+"""Oracle of the KV-cache write: scatter each token's K/V to its flat slot (contract §3)."""
 
-from reference.validation import validate_write_kv
+from reference.validation import PlanGuard, validate_write_kv
+
+
+class ReferenceWritePlan:
+    """The oracle's planned write: the validated slots, applied to any K/V and caches of the planned
+    shapes (every layer of a step). The twin of `kernels.write_kv.WritePlan`, with the same refusals."""
+
+    def __init__(self, k, v, k_cache, v_cache, slot_mapping):
+        validate_write_kv(k, v, k_cache, v_cache, slot_mapping)
+        self.guard = PlanGuard(
+            dict(k=k, v=v, k_cache=k_cache, v_cache=v_cache), dict(slot_mapping=slot_mapping)
+        )
+        self.slots = slot_mapping.tolist()
+
+    def run(self, k, v, k_cache, v_cache) -> None:
+        """Writes token t's K/V to its planned slot, in place."""
+        self.guard.check(k=k, v=v, k_cache=k_cache, v_cache=v_cache)
+        page_size = k_cache.shape[1]
+        for t, slot in enumerate(self.slots):
+            if slot >= 0:
+                k_cache[slot // page_size, slot % page_size] = k[t]
+                v_cache[slot // page_size, slot % page_size] = v[t]
+
+
+def plan_write_kv(k, v, k_cache, v_cache, slot_mapping):
+    """Validates a `write_kv` call once; returns a plan whose `run(k, v, k_cache, v_cache)` writes it.
+
+    Arguments as `write_kv`; `run` refuses (ValueError) tensors of other shapes, dtypes or devices and a
+    slot_mapping modified in place after planning.
+    """
+    return ReferenceWritePlan(k, v, k_cache, v_cache, slot_mapping)
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping):
@@ -16,10 +46,4 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping):
     Returns:
         None.
     """
-    validate_write_kv(k, v, k_cache, v_cache, slot_mapping)
-    page_size = k_cache.shape[1]
-    for t, slot in enumerate(slot_mapping.tolist()):
-        if slot < 0:
-            continue
-        k_cache[slot // page_size, slot % page_size] = k[t]
-        v_cache[slot // page_size, slot % page_size] = v[t]
+    plan_write_kv(k, v, k_cache, v_cache, slot_mapping).run(k, v, k_cache, v_cache)

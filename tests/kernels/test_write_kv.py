@@ -15,7 +15,7 @@ pytestmark = pytest.mark.operator("write_kv")
 @given(data=st.data())
 def test_write_kv(impl, device, expect, data):
     case = data.draw(write_kv_cases(caps=impl.capabilities))
-    expect(judge_write_kv(impl, write_kv_case_inputs(case, device)))
+    expect(judge_write_kv(impl, write_kv_case_inputs(case, device), case))
 
 
 @pytest.mark.requires(validates=True)

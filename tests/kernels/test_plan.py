@@ -1,0 +1,102 @@
+"""The planned path: one plan serves every layer of a step, and a stale plan is refused, never used."""
+
+import pytest
+import torch
+
+from harness.cases import AttentionCase, LayoutSpec, attention_args, build_inputs
+
+pytestmark = pytest.mark.planned
+CASE = AttentionCase(
+    seed=9,
+    seq_lens=(70, 33),
+    query_lens=(30, 33),
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    page_size=16,
+    dtype="float16",
+    layout=LayoutSpec(kind="local_strided", block_size=16, local_blocks=2, vert_stride=3),
+)
+OPS = {"prefill": False, "decode": True}
+
+
+def _call(impl, op: str, device):
+    decode = OPS[op]
+    case = CASE if not decode else AttentionCase(**{**CASE.__dict__, "query_lens": (1, 1)})
+    inputs = build_inputs(case, device)
+    args = attention_args(inputs, decode)
+    planner = impl.planners[f"plan_{op}"]
+    plan = planner(*args, layout=inputs["layout"], return_lse=True)
+    return impl.op(f"paged_{op}"), plan, args, inputs
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_plan_reused_across_layers_equals_the_op(impl, device, op):
+    fn, plan, args, inputs = _call(impl, op, device)
+    q, k_cache, v_cache, *metadata = args
+    gen = torch.Generator().manual_seed(1)
+    for _layer in range(3):  # other values of q and caches with the planned shapes, as per layer
+        q = torch.randn(q.shape, generator=gen).to(q)
+        k_cache, v_cache = (torch.randn(c.shape, generator=gen).to(c) for c in (k_cache, v_cache))
+        out, lse = plan.run(q, k_cache, v_cache)
+        want_out, want_lse = fn(q, k_cache, v_cache, *metadata, layout=inputs["layout"], return_lse=True)
+        assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("name", ["block_tables", "seq_lens"])
+def test_plan_refuses_metadata_modified_after_planning(impl, device, op, name):
+    _, plan, args, _ = _call(impl, op, device)
+    q, k_cache, v_cache, block_tables, seq_lens, *_ = args
+    {"block_tables": block_tables, "seq_lens": seq_lens}[name].add_(0)  # any in-place write counts
+    with pytest.raises(ValueError, match=f"stale plan: {name}"):
+        plan.run(q, k_cache, v_cache)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda q, k, v: (q[:-1], k, v), id="q-fewer-tokens"),
+        pytest.param(lambda q, k, v: (q.float(), k, v), id="q-dtype"),
+        pytest.param(lambda q, k, v: (q, k[:-1], v), id="k_cache-fewer-pages"),
+        pytest.param(lambda q, k, v: (q, k, v.float()), id="v_cache-dtype"),
+        # Same shape, other memory layout: the plan's offset width was chosen from the planned strides.
+        pytest.param(lambda q, k, v: (q, k, v.mT.contiguous().mT), id="v_cache-strides"),
+    ],
+)
+def test_plan_refuses_tensors_it_was_not_built_for(impl, device, op, change):
+    _, plan, args, _ = _call(impl, op, device)
+    with pytest.raises(ValueError, match="does not match the plan"):
+        plan.run(*change(*args[:3]))
+
+
+def _write_plan(impl, device):
+    from harness.bad_inputs import valid_write_kv_args
+
+    args = valid_write_kv_args(device)
+    return impl.planners["plan_write_kv"](**args), args
+
+
+@pytest.mark.operator("write_kv")
+def test_write_plan_reused_across_layers_equals_the_op(impl, device):
+    plan, args = _write_plan(impl, device)
+    gen = torch.Generator().manual_seed(2)
+    for _layer in range(3):
+        k, v = (torch.randn(args["k"].shape, generator=gen).to(args["k"]) for _ in range(2))
+        caches = [torch.randn(args["k_cache"].shape, generator=gen).to(args["k_cache"]) for _ in range(2)]
+        want = [c.clone() for c in caches]
+        plan.run(k, v, *caches)
+        impl.write_kv(k, v, *want, args["slot_mapping"])
+        assert all(torch.equal(a, b) for a, b in zip(caches, want, strict=True))
+
+
+@pytest.mark.operator("write_kv")
+def test_write_plan_refuses_stale_slots_and_other_tensors(impl, device):
+    plan, args = _write_plan(impl, device)
+    tensors = [args[name] for name in ("k", "v", "k_cache", "v_cache")]
+    with pytest.raises(ValueError, match="does not match the plan"):
+        plan.run(tensors[0][:-1], *tensors[1:])
+    args["slot_mapping"].add_(0)
+    with pytest.raises(ValueError, match="stale plan: slot_mapping"):
+        plan.run(*tensors)
