@@ -1,6 +1,6 @@
 """A small serving engine over the suite's paged-attention ops, with automatic prefix caching.
 
-Public names (SPEC section 4.1): `LLM`, `SamplingParams`, `RequestOutput`. The pieces follow
+Public names (contract §4.1): `LLM`, `SamplingParams`, `RequestOutput`. The pieces follow
 nano-vllm's split: config, sequence, block_pool, scheduler, model_runner, model, engine.
 """
 

@@ -1,4 +1,4 @@
-"""KV-cache pages with ref counts and automatic prefix caching (SPEC section 6).
+"""KV-cache pages with ref counts and automatic prefix caching (contract §6).
 
 Policy:
     - Only full pages are cached. A page's key is `sha256(parent_hash || token_ids || extra_keys)`

@@ -1,4 +1,4 @@
-"""`LLM`: the public entry point of the engine (SPEC section 4.1)."""
+"""`LLM`: the public entry point of the engine (contract §4.1)."""
 
 from engine.block_pool import BlockPool, pages_for
 from engine.config import EngineConfig
@@ -139,7 +139,7 @@ class LLM:
         )
 
     def stats(self) -> dict:
-        """Counters of SPEC section 6 (queries and hits in tokens), plus the cache's occupancy."""
+        """Counters of contract §6 (queries and hits in tokens), plus the cache's occupancy."""
         s = self.pool.stats
         return {
             "prefix_cache_queries": s.queries,

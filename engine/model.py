@@ -1,7 +1,7 @@
 """A seeded decoder with Phi-3-small's attention structure, and its named sizes.
 
 GQA, rotary position embeddings, LayerNorm (pre-norm), a GELU MLP, muP attention scale 1/head_dim,
-block-sparse attention (local + vertical stride, SPEC section 2.1) in every layer i with
+block-sparse attention (local + vertical stride, contract §2.1) in every layer i with
 (i + 1) % 2 != 0 and dense causal attention in the others. Weights come from a seed; nothing is
 downloaded. The model knows nothing about pages: each layer hands q, k, v to an `attend` callable.
 """
@@ -37,6 +37,19 @@ MODEL_CONFIGS = {
         vocab_size=8192,
         dim=4096,
         n_layers=4,
+        n_heads=32,
+        n_kv_heads=8,
+        head_dim=128,
+        ffn_dim=8192,
+        sparse_block_size=64,
+        local_blocks=16,
+        vert_stride=8,
+    ),
+    # Phi-3-small's depth (32 layers) with the same shapes; weights random (seeded), vocabulary small.
+    "phi3-small": dict(
+        vocab_size=8192,
+        dim=4096,
+        n_layers=32,
         n_heads=32,
         n_kv_heads=8,
         head_dim=128,

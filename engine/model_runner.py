@@ -2,19 +2,22 @@
 
 Per step, rows with one query token (decodes, and one-token prefill chunks) go first and are served
 by the backend's `paged_decode`; the other rows by `paged_prefill`. Every layer calls `write_kv`
-first, so attention reads every key, new or cached, through the block tables (SPEC section 4).
+first, so attention reads every key, new or cached, through the block tables (contract §4).
+
+When the backend has a planned path (`plan_write_kv` / `plan_prefill` / `plan_decode`, as `kernels`
+does), the step's metadata is validated and planned once per operator (and layout) at the first
+layer that needs it, and every later layer only runs the plan: one host sync per plan instead of one
+per layer and operator.
 """
 
-import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.config import EngineConfig
 from engine.model import Decoder, ModelArgs
 from engine.sequence import Sequence
-
-BACKEND_MODULES = {"reference": "reference", "triton": "kernels"}
+from harness import registry
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +49,7 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor
     prefill_seq_lens: torch.Tensor
     prefill_query_start_loc: torch.Tensor
+    plans: dict = field(default_factory=dict)  # "write_kv" or (operator, id of layout) -> the step's plan
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,11 +60,15 @@ class Sample:
 
 
 def load_backend(name: str):
-    """The module providing write_kv / paged_prefill / paged_decode (kernels imported lazily)."""
-    try:
-        return importlib.import_module(BACKEND_MODULES[name])
-    except ImportError as exc:
-        raise ImportError(f"backend {name!r} needs the {BACKEND_MODULES[name]!r} module: {exc}") from exc
+    """The implementation called `name` (harness/registry.py); ValueError unless it provides all three
+    operators, which the engine needs."""
+    impl = registry.load(name)
+    missing = [op for op in registry.OPERATORS if not impl.provides(op)]
+    if missing:
+        raise ValueError(
+            f"backend {name!r} provides no {', '.join(missing)}; the engine needs all three operators"
+        )
+    return impl
 
 
 def _block_tables(rows: list[list[int]], device) -> torch.Tensor:
@@ -122,24 +130,40 @@ class ModelRunner:
     def attend(self, meta: AttentionMetadata, layer: int, q, k, v) -> torch.Tensor:
         """write_kv, then paged_decode on the one-query rows and paged_prefill on the rest."""
         k_cache, v_cache = self.kv_caches[layer]
-        layout, scale, nd = self.model.layouts[layer], self.args.scale, meta.num_decode_tokens
-        self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        layout, nd = self.model.layouts[layer], meta.num_decode_tokens
+        plan_write = self.ops.planners.get("plan_write_kv")
+        if plan_write is None:
+            self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            if "write_kv" not in meta.plans:
+                meta.plans["write_kv"] = plan_write(k, v, k_cache, v_cache, meta.slot_mapping)
+            meta.plans["write_kv"].run(k, v, k_cache, v_cache)
         parts = []
         if nd:
+            metadata = (meta.decode_block_tables, meta.decode_seq_lens)
             parts.append(
-                self.ops.paged_decode(
-                    q[:nd].contiguous(), k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                    scale=scale, layout=layout,
-                )
-            )  # fmt: skip
+                self._attention(meta, "decode", layout, q[:nd].contiguous(), k_cache, v_cache, metadata)
+            )
         if nd < q.shape[0]:
+            metadata = (meta.prefill_block_tables, meta.prefill_seq_lens, meta.prefill_query_start_loc)
             parts.append(
-                self.ops.paged_prefill(
-                    q[nd:].contiguous(), k_cache, v_cache, meta.prefill_block_tables, meta.prefill_seq_lens,
-                    meta.prefill_query_start_loc, scale=scale, layout=layout,
-                )
-            )  # fmt: skip
+                self._attention(meta, "prefill", layout, q[nd:].contiguous(), k_cache, v_cache, metadata)
+            )
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _attention(
+        self, meta: AttentionMetadata, op: str, layout, q, k_cache, v_cache, metadata
+    ) -> torch.Tensor:
+        """The step's plan for (op, layout), made at its first layer, or the plain operator."""
+        planner = self.ops.planners.get(f"plan_{op}")
+        if planner is None:
+            return self.ops.op(f"paged_{op}")(
+                q, k_cache, v_cache, *metadata, scale=self.args.scale, layout=layout
+            )
+        key = (op, id(layout))
+        if key not in meta.plans:
+            meta.plans[key] = planner(q, k_cache, v_cache, *metadata, scale=self.args.scale, layout=layout)
+        return meta.plans[key].run(q, k_cache, v_cache)
 
     def run(self, batch: list[ScheduledSeq]) -> list[Sample | None]:
         """One forward pass over `batch`; a Sample for every row whose chunk reaches its last token."""
