@@ -1,8 +1,35 @@
-"""`python -m fuzz` (or `nox -s kernel-fuzz -- ...`): a time-boxed fuzz campaign, or one replay.
+"""`python -m fuzz` (or `nox -s kernel-fuzz -- ...`): a fuzz campaign against the oracle, or one replay.
 
-python -m fuzz --minutes 1 --target prefill          # campaign; exit 1 on any new failure
-python -m fuzz --backend flex --target prefill        # put another implementation under test
-python -m fuzz --replay fuzz/failures/FILE.json       # exit 1 when the saved case still fails
+examples:
+  python -m fuzz --minutes 1 --target prefill              a one-minute campaign of paged_prefill
+  python -m fuzz --max-cases 40 --target decode --dtype float16
+                                                           exactly 40 drawn float16 decode cases
+  python -m fuzz --backend flex --target prefill           another built-in implementation
+  python -m fuzz --backend ~/my_kernel.py:impl             anyone's implementation (contract §9)
+  python -m fuzz --replay fuzz/failures/FILE.json          re-run a saved case on the backend it names
+
+how it works:
+  Workers (spawned processes; one per CPU core, or one per GPU) load the implementation by its name,
+  draw cases within what it declares (capabilities, harness/strategies.py) and judge each against
+  the float64 oracle by contract §5's tolerance rule (docs/contract.md): out and, where declared,
+  lse; write_kv bit for bit; the engine cold vs warm (harness/engine_check.py). Each chunk of draws
+  fixes one dtype, so a failure keeps its dtype while hypothesis shrinks it; the smallest failing
+  case is saved under --failures-dir as a small JSON file that records the backend name, so
+  `--replay FILE` needs no other flag. A case the implementation refuses (NotImplementedError, or
+  ValueError on a valid case) counts as unsupported, never as passed or failed. Known failures live
+  in the ledger (fuzz/ledger.py); a wrong-answer entry whose case passes again fails the run.
+
+  The campaign ends when the time box is over or, with --max-cases, when every target has drawn its
+  cases (whichever comes first). Cases in flight and a shrink in progress are finished after the time
+  box; the progress line says so.
+
+  worst ratio: contract §5's worst gate ratio, error / allowed error over the max and mean gates of
+  every judged output (out, lse). <= 1 passes; inf is a crash or a NaN/Inf where the oracle is finite.
+
+exit codes:
+  campaign: 0 no new failure; 1 a new failure, a stale ledger entry or an incomplete run;
+            2 no requested target can run here (the reasons are printed).
+  replay:   1 the case still fails (reproduced); 0 it passes now; 2 it could not run.
 """
 
 import argparse
@@ -10,49 +37,147 @@ import os
 import pathlib
 import sys
 
-TARGETS = ("prefill", "decode", "write_kv", "engine")
-BACKENDS = ("triton", "sdpa", "flex", "reference")
-DEFAULT_BACKEND = "triton"
 DEFAULT_MINUTES = 2.0
-DEFAULT_SHRINK_SECONDS = 60.0
 DEFAULT_MAX_FAILURES = 3
 HERE = pathlib.Path(__file__).parent
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line of `python -m fuzz`; its epilog is this module's docstring."""
+    from fuzz.targets import TARGETS
+    from harness import registry
+    from harness.cases import DTYPES
+
     p = argparse.ArgumentParser(
-        prog="python -m fuzz", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+        prog="python -m fuzz",
+        description="A fuzz campaign of an implementation against the float64 oracle, or one replay.",
+        epilog=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--minutes", type=float, default=DEFAULT_MINUTES, help="time budget (default %(default)s)")
-    p.add_argument("--target", action="append", choices=TARGETS, help="repeatable; default: all")
-    p.add_argument(
-        "--backend", choices=BACKENDS, help="implementation under test (default: triton; replay: the file's)"
+    bounds = p.add_argument_group("how long")
+    bounds.add_argument(
+        "--minutes",
+        type=_positive(float),
+        help=f"time box in minutes (default {DEFAULT_MINUTES:g}; none when only --max-cases is given)",
     )
-    p.add_argument("--workers", type=int, default=None, help="default: one per CPU core, or one per GPU")
-    p.add_argument("--seed", type=int, default=0, help="base seed of the draws")
-    p.add_argument("--replay", type=pathlib.Path, help="re-run one saved case file and exit")
-    p.add_argument("--summary", type=pathlib.Path, default=None, help="also write the JSON summary here")
-    p.add_argument("--failures-dir", type=pathlib.Path, default=HERE / "failures")
-    p.add_argument("--ledger", type=pathlib.Path, default=HERE / "ledger.json")
-    p.add_argument("--shrink-seconds", type=float, default=DEFAULT_SHRINK_SECONDS, help="per failure")
-    p.add_argument("--max-failures", type=int, default=DEFAULT_MAX_FAILURES, help="per target and worker")
+    bounds.add_argument(
+        "--max-cases",
+        type=_positive(int),
+        metavar="N",
+        help="draw at most N cases per target over the whole campaign, split evenly among the "
+        "workers; shrink candidates do not count. Without --minutes there is no time box",
+    )
+    what = p.add_argument_group("what")
+    what.add_argument(
+        "--backend",
+        metavar="NAME",
+        help=f"the implementation under test (default {registry.DEFAULT_BACKEND}; with --replay, the "
+        f"file's): {registry.describe_names()}",
+    )
+    what.add_argument(
+        "--target",
+        action="append",
+        choices=TARGETS,
+        help="repeatable; default: all four. engine needs an implementation with all three operators",
+    )
+    what.add_argument(
+        "--dtype",
+        action="append",
+        choices=tuple(DTYPES),
+        help="repeatable; draw only these of the dtypes the implementation declares (default: all it "
+        "declares). Each chunk of draws fixes one dtype, so shrinking never changes a failure's dtype",
+    )
+    what.add_argument("--seed", type=int, default=0, help="base seed of the draws (default %(default)s)")
+    how = p.add_argument_group("workers and failures")
+    how.add_argument(
+        "--workers",
+        type=_positive(int),
+        metavar="N",
+        help="worker processes (default: one per CPU core, or one per GPU)",
+    )
+    how.add_argument(
+        "--max-failures",
+        type=_positive(int),
+        default=DEFAULT_MAX_FAILURES,
+        metavar="N",
+        help="a worker stops a target after N saved failures (default %(default)s)",
+    )
+    how.add_argument(
+        "--max-shrinks",
+        type=_positive(int),
+        metavar="N",
+        help="run at most N shrink candidates per failure (default: hypothesis's own bound, 500 "
+        "shrinks or five minutes)",
+    )
+    files = p.add_argument_group("files")
+    files.add_argument(
+        "--failures-dir",
+        type=pathlib.Path,
+        default=HERE / "failures",
+        metavar="DIR",
+        help="where failing cases are saved (default: fuzz/failures)",
+    )
+    files.add_argument(
+        "--ledger",
+        type=pathlib.Path,
+        default=HERE / "ledger.json",
+        metavar="FILE",
+        help="the known-failure ledger; may be your own file anywhere, its paths relative to it "
+        "(default: fuzz/ledger.json)",
+    )
+    files.add_argument(
+        "--summary", type=pathlib.Path, metavar="FILE", help="also write the JSON summary here"
+    )
+    files.add_argument(
+        "--replay",
+        type=pathlib.Path,
+        metavar="FILE",
+        help="re-run one saved case file on the backend it names (or --backend) and exit",
+    )
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Parsed and completed arguments; the parser exits with a message on a bad one."""
+    from fuzz.targets import TARGETS
+
+    p = parser()
     args = p.parse_args(argv)
     args.target = args.target or list(TARGETS)
+    if args.minutes is None and args.max_cases is None:
+        args.minutes = DEFAULT_MINUTES
+    if args.replay is not None and not args.replay.is_file():
+        p.error(f"--replay: {args.replay} is not a file")
+    if args.ledger != HERE / "ledger.json" and not args.ledger.is_file():
+        p.error(f"--ledger: {args.ledger} is not a file")
     return args
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    """The entry point; returns the exit code (see the module docstring)."""
     import torch  # does not import triton
 
     # Triton must know before its first import whether to use the CPU interpreter.
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    args = parse_args(argv)
     if args.replay:
         from fuzz.case_file import main_replay
 
         return main_replay(args.replay, args.backend)
     from fuzz.campaign import run
+    from harness.registry import DEFAULT_BACKEND
 
     args.backend = args.backend or DEFAULT_BACKEND
     return run(args)

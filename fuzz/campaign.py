@@ -1,23 +1,29 @@
-"""The campaign's parent process: start the workers, draw the progress bar, write the summary.
+"""The campaign's parent process: start the workers, draw the progress line, check the ledger, and
+print the summary.
 
-Workers are spawned processes (fuzz/worker.py). On the CPU each gets TRITON_INTERPRET=1 and one
-thread; on a GPU host there is one worker per GPU, each seeing only its own through
-CUDA_VISIBLE_DEVICES. This module imports nothing heavy at import time (spawned children import it).
+The parent loads the implementation once, only to fail early on a bad name and to say which targets
+can run; the workers are spawned processes that load it again by name (fuzz/worker.py). On the CPU
+each gets TRITON_INTERPRET=1 and one thread; on a GPU host there is one worker per GPU, each seeing
+only its own through CUDA_VISIBLE_DEVICES. `--max-cases N` is a count per target over the whole
+campaign, split evenly among the workers.
 """
 
 import json
-import math
 import multiprocessing as mp
 import os
 import queue as queue_mod
 import sys
 import time
-from collections import defaultdict
 
-BAR_INTERVAL_S = 0.5  # redraw period of the progress bar on a terminal
+from fuzz import backend_names, case_file, summary
+from fuzz.ledger import Ledger
+
+BAR_INTERVAL_S = 0.5  # redraw period of the progress line on a terminal
 LOG_INTERVAL_S = 15.0  # period of a progress line when stderr is not a terminal
-NOTHING_TO_FUZZ = 2  # exit code when every requested target is unavailable
-JOIN_GRACE_S = 30.0  # how long a worker may overrun its budget (a case in flight, a shrink)
+NOTHING_TO_FUZZ = 2  # exit code when no requested target can run
+# How long workers may run past the time box: hypothesis stops a shrink after five minutes, so
+# beyond that (plus a slow case) a worker is stuck, and it is stopped with a loud note.
+OVERRUN_LIMIT_S = 6 * 60.0
 
 
 def worker_entry(env: dict, cfg: dict, queue) -> None:
@@ -40,188 +46,159 @@ def plan_workers(requested: int | None) -> tuple[int, list[dict]]:
     return n, [{"TRITON_INTERPRET": "1"} for _ in range(n)]
 
 
-class Tally:
-    """What the parent has heard: counts per target and dtype, worst ratios, failures."""
-
-    def __init__(self):
-        self.cases = defaultdict(lambda: defaultdict(int))
-        self.status = defaultdict(lambda: defaultdict(int))
-        self.worst = defaultdict(dict)  # target -> dtype -> worst ratio among run cases
-        self.failures: list[dict] = []
-        self.unavailable: dict[str, str] = {}
-        self.notes: list[str] = []
-        self.shrinking = 0
-        self.start = time.time()
-        self.first_failure_s: float | None = None  # when the first failing case was run
-
-    def on(self, msg: tuple) -> bool:
-        """Applies one worker message; True when it says the worker is done."""
-        kind, rest = msg[1], msg[2:]
-        if kind == "case":
-            target, dtype, ratio, status = rest
-            self.status[target][status] += 1
-            if status == "failed" and self.first_failure_s is None:
-                self.first_failure_s = round(time.time() - self.start, 1)
-            if status in ("passed", "failed", "known"):
-                self.cases[target][dtype] += 1
-                prev = self.worst[target].get(dtype, 0.0)
-                self.worst[target][dtype] = max(prev, ratio)
-        elif kind == "shrinking":
-            self.shrinking += 1
-        elif kind == "failure":
-            target, path, message, ratio = rest
-            self.shrinking = max(0, self.shrinking - 1)
-            if path not in (f["file"] for f in self.failures):
-                saved = round(time.time() - self.start, 1)
-                self.failures.append(
-                    {
-                        "target": target,
-                        "file": path,
-                        "message": message,
-                        "ratio": ratio,
-                        "saved_after_s": saved,
-                    }
-                )
-        elif kind == "unavailable":
-            self.unavailable[rest[0]] = rest[1]
-        elif kind == "note":
-            self.notes.append(f"worker {msg[0]} {rest[0]}: {rest[1]}")
-        return kind == "done"
-
-    @property
-    def total(self) -> int:
-        return sum(sum(d.values()) for d in self.cases.values())
-
-    def worst_overall(self) -> tuple[float, str]:
-        best = (0.0, "-")
-        for target, by_dtype in self.worst.items():
-            for dtype, r in by_dtype.items():
-                if r > best[0]:
-                    best = (r, f"{target}/{dtype}")
-        return best
+def share(total: int | None, workers: int, i: int) -> int | None:
+    """Worker i's part of a count split evenly over `workers` (None: unbounded)."""
+    return None if total is None else total // workers + (1 if i < total % workers else 0)
 
 
-def _clock(seconds: float) -> str:
-    seconds = max(0, int(seconds))
-    return f"{seconds // 60}:{seconds % 60:02d}"
-
-
-def bar_line(tally: Tally, elapsed: float, budget: float) -> str:
-    """One status line: cases per target, failures, worst ratio, elapsed / budget."""
-    per = " ".join(f"{t} {sum(d.values())}" for t, d in sorted(tally.cases.items())) or "starting"
-    worst, where = tally.worst_overall()
-    width = 20
-    done = min(width, int(width * elapsed / budget)) if budget else width
-    shrink = f"  shrinking {tally.shrinking}" if tally.shrinking else ""
-    return (
-        f"[{'#' * done}{'.' * (width - done)}] {_clock(elapsed)}/{_clock(budget)}  cases {tally.total} "
-        f"({per})  failures {len(tally.failures)}  worst ratio {worst:.3g} ({where}){shrink}"
-    )
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
 
 def run(args) -> int:
     """Runs the campaign described by the parsed CLI `args`; returns the exit code."""
-    import torch  # the parent needs it only to count GPUs and for the ledger replay
+    import torch
 
-    from fuzz.backends import get_backend
+    from fuzz import targets
+    from harness import registry
 
-    backend = get_backend(args.backend)
+    name = backend_names.canonical(args.backend)
+    try:
+        impl = registry.load(backend_names.loadable(name))
+    except Exception as exc:  # noqa: BLE001  (whatever the user's module raises on import)
+        _say(f"fuzz: cannot load implementation {args.backend!r}: {type(exc).__name__}: {exc}")
+        return NOTHING_TO_FUZZ
+    active, unavailable = targets.plan(impl, args.target, args.dtype or ())
+    draws = ", ".join(f"{t} ({'/'.join(dtypes)})" for t, (_, dtypes) in active.items()) or "nothing"
+    about = (impl.description or "no description").rstrip(".")
+    _say(f"fuzz: backend {name}, {about}; drawing {draws}")
+    for target, reason in unavailable.items():
+        _say(f"fuzz: target {target} unavailable: {reason}")
+    if not active:
+        tally = summary.Tally()
+        tally.unavailable.update(unavailable)
+        return finish(args, name, tally, 0.0, 0)
     n, envs = plan_workers(args.workers)
-    budget = args.minutes * 60.0
+    if args.max_cases is not None:
+        n = max(1, min(n, args.max_cases))
+    budget = None if args.minutes is None else args.minutes * 60.0
     start = time.time()
     cfg = dict(
-        backend=backend.name,
-        targets=args.target,
+        backend=name,
+        targets=list(active),
+        dtypes=args.dtype or (),
         seed=args.seed,
-        end_time=start + budget,
-        shrink_seconds=args.shrink_seconds,
+        end_time=None if budget is None else start + budget,
+        max_shrinks=args.max_shrinks,
         max_failures=args.max_failures,
-        failures_dir=str(args.failures_dir),
-        ledger=str(args.ledger),
+        failures_dir=str(args.failures_dir.resolve()),
+        ledger=str(args.ledger.resolve()),
         threads=1 if not torch.cuda.is_available() else 0,
+    )
+    bounds = [f"a time box of {args.minutes:g} min"] if budget is not None else []
+    bounds += [f"{args.max_cases} drawn cases per target"] if args.max_cases is not None else []
+    _say(
+        f"fuzz: {n} worker(s) on {'GPU' if torch.cuda.is_available() else 'CPU'}, {' and '.join(bounds)}, "
+        f"seed {args.seed}; {summary.WORST_RATIO}"
     )
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [
-        ctx.Process(target=worker_entry, args=(envs[i], dict(cfg, worker_id=i), queue), daemon=True)
+        ctx.Process(
+            target=worker_entry,
+            args=(envs[i], dict(cfg, worker_id=i, max_cases=share(args.max_cases, n, i)), queue),
+            daemon=True,
+        )
         for i in range(n)
     ]
     for p in procs:
         p.start()
-    tally = Tally()
-    tally.start = start
-    live, tty, last_draw = n, sys.stderr.isatty(), 0.0
-    print(
-        f"fuzz: backend {backend.name}, targets {', '.join(args.target)}, {n} worker(s) on "
-        f"{'GPU' if torch.cuda.is_available() else 'CPU'}, {args.minutes:g} min, seed {args.seed}",
-        file=sys.stderr,
-    )
+    tally = summary.Tally(start)
+    tally.unavailable.update(unavailable)
+    planned = None if args.max_cases is None else args.max_cases * len(active)
+    try:
+        _listen(tally, queue, procs, start, budget, planned)
+    finally:
+        for p in procs:
+            p.join(timeout=1.0)
+            if p.is_alive():
+                p.terminate()
+    return finish(args, name, tally, time.time() - start, n)
+
+
+def _listen(tally, queue, procs, start: float, budget: float | None, planned: int | None) -> None:
+    """Applies worker messages and redraws the progress line until every worker is done."""
+    live, tty, last_draw = len(procs), sys.stderr.isatty(), 0.0
     while live:
         try:
             live -= tally.on(queue.get(timeout=BAR_INTERVAL_S))
         except queue_mod.Empty:
-            if time.time() > start + budget + args.shrink_seconds + JOIN_GRACE_S:
-                tally.notes.append("workers overran the budget and were stopped")
-                break
+            if budget is not None and time.time() > start + budget + OVERRUN_LIMIT_S:
+                tally.notes.append(
+                    f"INCOMPLETE: {live} worker(s) still running {OVERRUN_LIMIT_S / 60:g} min after the time "
+                    "box were stopped; their last cases and shrinks are lost"
+                )
+                return
             if not any(p.is_alive() for p in procs):
-                break
+                tally.notes.append(f"INCOMPLETE: {live} worker(s) died without saying they were done")
+                return
         now = time.time()
         if now - last_draw >= (BAR_INTERVAL_S if tty else LOG_INTERVAL_S):
-            line = bar_line(tally, now - start, budget)
+            line = summary.progress_line(tally, now - start, budget, planned, live)
             print(f"\r{line}\033[K" if tty else line, end="" if tty else "\n", file=sys.stderr, flush=True)
             last_draw = now
-    for p in procs:
-        p.join(timeout=1.0)
-        if p.is_alive():
-            p.terminate()
-    print(("\r" if tty else "") + bar_line(tally, time.time() - start, budget), file=sys.stderr)
-    return finish(args, tally, time.time() - start, n)
+    line = summary.progress_line(tally, time.time() - start, budget, planned, 0)
+    print(("\r" if tty else "") + line + ("\033[K" if tty else ""), file=sys.stderr, flush=True)
 
 
-def finish(args, tally: Tally, elapsed: float, workers: int) -> int:
-    """Ledger staleness check, failure lines, summary JSON; returns the exit code."""
-    from fuzz import case_file
-    from fuzz.backends import load_ops
-    from fuzz.ledger import Ledger
+def stale_ledger_entries(ledger: Ledger, notes: list[str]) -> list:
+    """Replays the ledger's wrong-answer entries whose implementation loads; (entry, why) of each that
+    passes now. Entries of implementations that cannot be loaded here are noted, not replayed."""
+    from harness import registry
 
-    ledger = Ledger.load(args.ledger)
-    available = {b for b in {e.backend for e in ledger.entries} if load_ops(b)[1] is None}
-    stale = ledger.stale_entries(lambda path, backend: case_file.replay(path, backend)[1], available)
+    available = set()
+    for backend in {e.backend for e in ledger.entries if e.kind == "wrong-answer"}:
+        try:
+            registry.load(backend_names.loadable(backend))
+            available.add(backend)
+        except Exception as exc:  # noqa: BLE001
+            notes.append(f"ledger entries of {backend} not replayed: {type(exc).__name__}: {exc}")
+    replay = lambda path, backend: case_file.replay(path, backend_names.loadable(backend)).verdict
+    return ledger.stale_entries(replay, available)
+
+
+def finish(args, name: str, tally: summary.Tally, elapsed: float, workers: int) -> int:
+    """Ledger staleness check, FAILURE lines, the summary table and JSON; returns the exit code."""
+    stale = stale_ledger_entries(Ledger.load(args.ledger), tally.notes)
     for note in tally.notes:
-        print(f"note: {note}", file=sys.stderr)
+        _say(f"note: {note}")
     for target, reason in sorted(tally.unavailable.items()):
-        print(f"unavailable: {target}: {reason}", file=sys.stderr)
+        _say(f"unavailable: {target}: {reason}")
     for f in tally.failures:
         replay = case_file.REPLAY_COMMAND.format(path=case_file.display_path(f["file"]))
-        print(f"FAILURE {f['target']}: {f['message']}\n  replay: {replay}")
+        print(summary.failure_text(f, name, replay))
     if tally.first_failure_s is not None:
         print(f"first failing case after {tally.first_failure_s} s")
     for _, why in stale:
         print(f"STALE LEDGER ENTRY: {why}")
-    minutes = max(elapsed, 1e-9) / 60.0
-    summary = {
-        "backend": args.backend,
+    incomplete = any(n.startswith("INCOMPLETE") for n in tally.notes)
+    nothing_ran = tally.total == 0 and set(args.target) <= set(tally.unavailable)
+    failed = bool(tally.failures or tally.failed or stale or incomplete)
+    code = 1 if failed else (NOTHING_TO_FUZZ if nothing_ran else 0)
+    print(f"summary: backend {name}, {workers} worker(s), {elapsed:.1f} s; {summary.WORST_RATIO}")
+    print(summary.status_table(tally) or "  no case ran")
+    data = {
+        "backend": name,
         "targets": args.target,
+        "dtypes": list(args.dtype or ()),
         "workers": workers,
         "seed": args.seed,
-        "elapsed_s": round(elapsed, 1),
-        "cases": {t: dict(d) for t, d in tally.cases.items()},
-        "cases_per_minute": {t: round(sum(d.values()) / minutes, 1) for t, d in tally.cases.items()}
-        | {"total": round(tally.total / minutes, 1)},
-        "statuses": {t: dict(d) for t, d in tally.status.items()},
-        "worst_ratio": {
-            t: {k: (r if math.isfinite(r) else "inf") for k, r in d.items()} for t, d in tally.worst.items()
-        },
-        "first_failure_s": tally.first_failure_s,
-        "failures": tally.failures,
-        "stale_ledger_entries": [e.id for e, _ in stale],
-        "unavailable": tally.unavailable,
-        "notes": tally.notes,
+        "minutes": args.minutes,
+        "max_cases": args.max_cases,
     }
-    nothing_ran = tally.total == 0 and set(args.target) <= set(tally.unavailable)
-    code = 1 if tally.failures or stale else (NOTHING_TO_FUZZ if nothing_ran else 0)
-    summary["exit_code"] = code
-    text = json.dumps(case_file.jsonable(summary), indent=1)
+    data |= summary.summary_dict(tally, elapsed)
+    data |= {"stale_ledger_entries": [e.id for e, _ in stale], "exit_code": code}
+    text = json.dumps(case_file.jsonable(data), indent=1)
     if args.summary:
         args.summary.parent.mkdir(parents=True, exist_ok=True)
         args.summary.write_text(text + "\n")

@@ -1,8 +1,9 @@
 """Failure case files: one small, self-contained JSON per failing case, and its replay.
 
-A file holds the target, the backend, the case's plain values (seed included: the tensors are
-rebuilt from it by `tests.strategies.build_inputs`), the verdict that was measured, the versions and
-device it was measured with, and the one-line command that replays it.
+A file holds the target, the implementation's registry name (canonical form, fuzz/backend_names.py,
+so that `--replay FILE` needs no other flag, from any working directory), the dtype, the case's plain
+values (seed included: the tensors are rebuilt from it), the case in words, the verdict that was
+measured, the versions and device it was measured with, and the one-line command that replays it.
 """
 
 import json
@@ -12,20 +13,26 @@ import pathlib
 import platform
 import time
 import zlib
+from typing import NamedTuple
+
+from fuzz import backend_names
 
 FORMAT = 1
 REPLAY_COMMAND = "nox -s kernel-fuzz -- --replay {path}"
 # How each target rebuilds its inputs from the saved case (all from the seed; no tensors are stored).
 REBUILD = {
-    "prefill": "tests.strategies.build_inputs(tests.strategies.AttentionCase.from_dict(case), device)",
-    "decode": "tests.strategies.build_inputs(tests.strategies.AttentionCase.from_dict(case), device)",
-    "write_kv": "fuzz.targets.write_kv_inputs(tests.strategies.AttentionCase.from_dict(case), device)",
-    "engine": "tests.strategies.EngineCase.from_dict(case), run by fuzz.engine_target (no tensors)",
+    "prefill": "harness.cases.build_inputs(harness.cases.AttentionCase.from_dict(case), device)",
+    "decode": "harness.cases.build_inputs(harness.cases.AttentionCase.from_dict(case), device)",
+    "write_kv": "harness.cases.write_kv_inputs(harness.cases.AttentionCase.from_dict(case), device)",
+    "engine": "harness.cases.EngineCase.from_dict(case), run by fuzz/engine_target.py (no tensors)",
 }
+# replay exit codes
+REPRODUCED, NOT_REPRODUCED, NOT_RUN = 1, 0, 2
 
 
 def versions() -> dict:
     """Versions of what produced a result (triton only when importable)."""
+    import hypothesis
     import torch
 
     out = {"python": platform.python_version(), "torch": torch.__version__}
@@ -35,8 +42,6 @@ def versions() -> dict:
         out["triton"] = triton.__version__
     except ImportError:
         out["triton"] = None
-    import hypothesis
-
     out["hypothesis"] = hypothesis.__version__
     return out
 
@@ -54,7 +59,7 @@ def jsonable(x):
 
 def file_name(target: str, backend: str, dtype: str, case: dict) -> str:
     digest = zlib.crc32(json.dumps(case, sort_keys=True).encode())
-    return f"{target}-{backend}-{dtype}-{digest:08x}.json"
+    return f"{target}-{backend_names.slug(backend)}-{dtype}-{digest:08x}.json"
 
 
 def display_path(path) -> str:
@@ -66,8 +71,8 @@ def display_path(path) -> str:
         return str(path)
 
 
-def save(folder, *, target: str, backend: str, case: dict, dtype: str, result, device: str) -> pathlib.Path:
-    """Writes the case file (atomically) and returns its path."""
+def save(folder, *, target: str, backend: str, case: dict, dtype: str, words: str, verdict, device: str):
+    """Writes the case file (atomically) and returns its path. `backend` is the canonical name."""
     folder = pathlib.Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / file_name(target, backend, dtype, case)
@@ -78,12 +83,13 @@ def save(folder, *, target: str, backend: str, case: dict, dtype: str, result, d
         "dtype": dtype,
         "device": device,
         "case": case,
+        "case_in_words": words,
         "rebuild": REBUILD.get(target, ""),
         "verdict": {
-            "status": result.status,
-            "ratio": result.ratio,
-            "message": result.message,
-            "stats": result.stats,
+            "status": verdict.status,
+            "ratio": verdict.ratio,
+            "message": verdict.message,
+            "stats": verdict.stats,
         },
         "versions": versions(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -106,37 +112,54 @@ def load(path) -> dict:
     return data
 
 
-def replay(path, backend: str | None = None):
-    """Re-runs a saved case (optionally on another backend); returns (data, Result)."""
+class Replay(NamedTuple):
+    """A replayed case file: its JSON, the implementation it ran on, and the verdict now."""
+
+    data: dict
+    backend: str
+    verdict: object
+
+
+def replay(path, backend: str | None = None) -> Replay:
+    """Re-runs a saved case on the implementation the file names, or on `backend` when given."""
     import torch
 
-    from fuzz.backends import get_backend, load_ops
-    from fuzz.targets import Result, all_targets
+    from fuzz import targets
+    from harness import registry
+    from harness.judge import Verdict
 
     data = load(path)
-    name = backend or data["backend"]
-    target = all_targets()[data["target"]]
-    ops, reason = load_ops(name)
-    reason = reason or target.supported(ops, name)
+    name = backend_names.canonical(backend) if backend else data["backend"]
+    target = targets.all_targets()[data["target"]]
+    try:
+        impl = registry.load(backend_names.loadable(name))
+    except Exception as exc:  # noqa: BLE001  (whatever the user's module raises on import)
+        return Replay(
+            data, name, Verdict("unsupported", message=f"cannot load {name}: {type(exc).__name__}: {exc}")
+        )
+    case = target.case_from_dict(data["case"])
+    # A case outside what the implementation declares is refused by the judge itself (unsupported).
+    reason = target.refusal(impl)
     if reason:
-        return data, Result("unsupported", message=f"backend {name} unavailable: {reason}")
+        return Replay(data, name, Verdict("unsupported", message=reason))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return data, target.run(target.case_from_dict(data["case"]), ops, get_backend(name), device)
+    return Replay(data, name, targets.run_case(target, impl, case, device))
 
 
 def main_replay(path, backend: str | None = None) -> int:
     """The `--replay` entry: prints the verdict; exit 1 when the case still fails (reproduced)."""
-    data, result = replay(path, backend)
-    name = backend or data["backend"]
+    data, name, verdict = replay(path, backend)
     print(f"replay {path}: target {data['target']}, backend {name}, dtype {data.get('dtype')}")
+    if data.get("case_in_words"):
+        print(f"  case:   {data['case_in_words']}")
     saved = data.get("verdict", {})
     print(f"  saved:  {saved.get('status')} ratio {saved.get('ratio')}  {saved.get('message', '')}")
-    print(f"  now:    {result.status} ratio {result.ratio:.4g}  {result.message}")
-    if result.status == "failed":
+    print(f"  now:    {verdict.status} ratio {verdict.ratio:.4g}  {verdict.message}")
+    if verdict.status == "failed":
         print("REPRODUCED: the case still fails")
-        return 1
-    if result.status == "unsupported":
-        print("NOT RUN: the backend is unavailable or rejects the case")
-        return 2
+        return REPRODUCED
+    if verdict.status == "unsupported":
+        print("NOT RUN: the implementation cannot be loaded, does not declare the case, or refused it")
+        return NOT_RUN
     print("NOT REPRODUCED: the case passes now")
-    return 0
+    return NOT_REPRODUCED

@@ -1,84 +1,141 @@
-"""The engine target: cold vs warm prefix cache, and the block pool vs the reference cache model.
+"""The engine target: the block pool against the reference cache model, then cold vs warm runs.
 
-One `tests.strategies.EngineCase` (a request stream in rounds) is checked twice:
-1. The engine (`engine.LLM`, tiny model in float32, greedy) with prefix caching on and off must
-   agree (SPEC section 6) by the rule of tests/engine/test_engine.py: every step's logits pass SPEC
-   section 5's rule against the cold run with `base` equal to it (the float32 floor: the runs differ
-   only by GEMMs over other batch shapes), and tokens are identical wherever the cold run's top-2
-   logit gap exceeds that allowance (past a near-tie the runs may diverge, and the rest of that
-   request is not compared). The cold run must report no cached tokens.
-2. `engine.block_pool.BlockPool` and `reference.prefix_cache.PrefixCacheModel` replay the same stream
+One `harness.cases.EngineCase` (prompts cut from shared stems, per-prompt salts, 1-3 rounds of
+`generate`) is checked twice:
+
+1. `engine.block_pool.BlockPool` and `reference.prefix_cache.PrefixCacheModel` replay the same stream
    (lookup, allocate, offer full pages, free, then a reset): hits, block tables, the LRU free order,
-   the cached pages and the counters must be equal after every step (structural, so exact), and the
+   the cached pages and the counters must be equal after every round (structural, so exact), and the
    pool's invariants must hold.
+2. The engine (`engine.LLM`, tiny model in float32, greedy) on the implementation under test, with
+   prefix caching off and on, must be equivalent by the one rule of harness/engine_check.py (the same
+   function tests/engine/test_engine.py asserts with).
+
+The engine calls all three operators of the implementation, in float32, over the tiny model's
+dense and local-strided layers with cached contexts, so an implementation that does not provide or
+declare all of that makes the target unavailable (with the reason) instead of failing.
 """
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
-ENGINE_BACKENDS = ("reference", "triton")
+from harness.cases import AttentionCase, EngineCase, LayoutSpec
+from harness.engine_check import compare_cold_warm
+from harness.judge import Verdict, crash
+from harness.registry import OPERATORS
+from harness.strategies import engine_cases
+
+MODEL = "tiny"
+DTYPE = "float32"  # the equivalence allowance is float32's floor
 
 
-def compare_runs(cold, warm):
-    """(worst error ratio, first problem or "") over the requests of one round."""
-    import torch
+def _model_probe(page_size: int) -> AttentionCase:
+    """An attention case with the tiny model's geometry, layout and a cached context."""
+    from engine.model import ModelArgs
 
-    from tests.tolerance import error_stats
-
-    worst, problem = 0.0, ""
-    for r, (a, b) in enumerate(zip(cold, warm, strict=True)):
-        if a.num_cached_tokens:
-            return math.inf, f"request {r}: cold run reports {a.num_cached_tokens} cached tokens"
-        for i, (la, lb) in enumerate(zip(a.logits, b.logits, strict=False)):
-            s = error_stats(lb, la, la, torch.float32)
-            worst = max(worst, s.ratio if s.bad_nonfinite == 0 else math.inf)
-            if not s.passed and not problem:
-                diff = f"{s.max_err:.3e} (allowed {s.allowed_max:.1e})"
-                problem = f"request {r} step {i}: logits differ by {diff}"
-            if a.token_ids[i] != b.token_ids[i]:
-                top2 = la.double().topk(2).values
-                gap = float(top2[0] - top2[1])
-                if gap > s.allowed_max and not problem:
-                    tokens = f"{a.token_ids[i]} vs {b.token_ids[i]}"
-                    problem = f"request {r} step {i}: tokens {tokens}, top-2 gap {gap:.3e}"
-                break  # past a divergence the contexts differ
-        else:
-            if len(a.token_ids) != len(b.token_ids) and not problem:
-                problem = f"request {r}: {len(a.token_ids)} vs {len(b.token_ids)} tokens"
-    return worst, problem
+    args = ModelArgs.from_name(MODEL)
+    layout = LayoutSpec(
+        kind="local_strided",
+        block_size=args.sparse_block_size,
+        local_blocks=args.local_blocks,
+        vert_stride=args.vert_stride,
+    )
+    return AttentionCase(
+        seed=0,
+        seq_lens=(2,),
+        query_lens=(1,),
+        num_heads=args.n_heads,
+        num_kv_heads=args.n_kv_heads,
+        head_dim=args.head_dim,
+        page_size=page_size,
+        dtype=DTYPE,
+        layout=layout,
+    )
 
 
-def engine_check(case, backend: str, device: str) -> tuple[float, str]:
+class EngineTarget:
+    """Engine equivalence with and without prefix caching, and the pool against its model."""
+
+    name = "engine"
+
+    def refusal(self, impl) -> str | None:
+        """Why the engine cannot run on `impl`: a missing operator, or a capability it does not declare."""
+        missing = [op for op in OPERATORS if not impl.provides(op)]
+        if missing:
+            return f"{impl.name} provides no {', '.join(missing)}; the engine needs all three operators"
+        caps = impl.capabilities
+        probe = _model_probe((caps.page_sizes or (16,))[0])
+        dense = LayoutSpec(kind="dense", block_size=probe.layout.block_size)
+        for case in (probe, dataclasses.replace(probe, layout=dense)):
+            for op in OPERATORS:
+                why = caps.refuses(case, op)
+                if why:
+                    return f"the engine's tiny model needs what {impl.name} does not declare: {why}"
+        return None
+
+    def dtypes(self, impl, requested) -> tuple[str, ...]:
+        return (DTYPE,) if DTYPE in impl.capabilities.dtypes and (not requested or DTYPE in requested) else ()
+
+    def strategy(self, impl, device: str, dtype: str):
+        sizes = impl.capabilities.page_sizes
+        return engine_cases() if sizes is None else engine_cases().filter(lambda c: c.page_size in sizes)
+
+    def case_from_dict(self, d: dict) -> EngineCase:
+        return EngineCase.from_dict(d)
+
+    def dtype_of(self, case) -> str:
+        return DTYPE
+
+    def describe(self, case) -> str:
+        return case.describe()
+
+    def run(self, impl, case, device) -> Verdict:
+        sizes = impl.capabilities.page_sizes
+        if sizes is not None and case.page_size not in sizes:  # a replay on another implementation
+            return Verdict("unsupported", message=f"page size {case.page_size} not declared")
+        try:
+            problem = pool_check(case)
+            if problem:
+                return Verdict("failed", math.inf, f"block pool vs model: {problem}")
+            cold = engine_runs(case, impl.name, device, caching=False)
+            warm = engine_runs(case, impl.name, device, caching=True)
+        except NotImplementedError as exc:
+            return Verdict("unsupported", message=f"NotImplementedError: {exc}")
+        except Exception as exc:  # noqa: BLE001  (any crash of the engine or the implementation is a finding)
+            return crash(exc)
+        worst = 0.0
+        for k, (c, w) in enumerate(zip(cold, warm, strict=True)):
+            result = compare_cold_warm(c, w)
+            worst = max(worst, result.worst_ratio)
+            if result.problem:
+                return Verdict("failed", worst, f"cold vs warm, round {k}: {result.problem}")
+        return Verdict("passed", worst)
+
+
+def engine_runs(case: EngineCase, backend: str, device: str, caching: bool) -> list[list]:
+    """The outputs of each round of `case` on a fresh float32 engine (prefix caching on or off)."""
     import engine
 
-    runs = {}
-    for caching in (False, True):
-        llm = engine.LLM(
-            "tiny",
-            page_size=case.page_size,
-            num_pages=case.num_pages,
-            enable_prefix_caching=caching,
-            backend=backend,
-            seed=case.seed % 1000,
-            record_logits=True,
-            dtype="float32",  # the equivalence allowance is float32's floor
-        )
-        params = engine.SamplingParams(max_tokens=case.max_tokens, temperature=0.0)
-        runs[caching] = [
-            llm.generate(
-                [list(case.prompts[j]) for j in rnd], params, cache_salt=[case.salts[j] for j in rnd]
-            )
-            for rnd in case.rounds
-        ]
-    worst, problem = 0.0, ""
-    for k, (cold, warm) in enumerate(zip(runs[False], runs[True], strict=True)):
-        ratio, why = compare_runs(cold, warm)
-        worst = max(worst, ratio)
-        problem = problem or (f"round {k}, {why}" if why else "")
-    return worst, problem
+    llm = engine.LLM(
+        MODEL,
+        page_size=case.page_size,
+        num_pages=case.num_pages,
+        enable_prefix_caching=caching,
+        backend=backend,
+        seed=case.seed % 1000,
+        record_logits=True,
+        dtype=DTYPE,
+        device=device,
+    )
+    params = engine.SamplingParams(max_tokens=case.max_tokens, temperature=0.0)
+    return [
+        llm.generate([list(case.prompts[j]) for j in rnd], params, cache_salt=[case.salts[j] for j in rnd])
+        for rnd in case.rounds
+    ]
 
 
-def pool_check(case) -> str:
+def pool_check(case: EngineCase) -> str:
     """Replays the case's stream on the pool and the model; returns the first difference or ""."""
     from engine.block_pool import BlockPool, pages_for
     from reference.prefix_cache import PrefixCacheModel
@@ -124,56 +181,14 @@ def pool_check(case) -> str:
 
 
 def _pool_state(pool) -> tuple:
-    cached = sorted(pool.cached.values())
-    return list(pool.lru), cached, pool.stats.evictions, pool.stats.queries, pool.stats.hits
+    return (
+        list(pool.lru),
+        sorted(pool.cached.values()),
+        pool.stats.evictions,
+        pool.stats.queries,
+        pool.stats.hits,
+    )
 
 
 def _model_state(model) -> tuple:
-    cached = sorted(model.page_of.values())
-    return model.free_order(), cached, model.evictions, model.queries, model.hits
-
-
-class EngineTarget:
-    """Engine equivalence with and without prefix caching, and the pool against its model."""
-
-    name = "engine"
-
-    def strategy(self, backend, device: str):
-        from tests.strategies import engine_cases
-
-        return engine_cases()
-
-    def case_from_dict(self, d: dict):
-        from tests.strategies import EngineCase
-
-        return EngineCase.from_dict(d)
-
-    def dtype_of(self, case) -> str:
-        return "engine"
-
-    def supported(self, ops, backend: str) -> str | None:
-        if backend not in ENGINE_BACKENDS:
-            return f"the engine runs on {' or '.join(ENGINE_BACKENDS)} attention, not {backend}"
-        try:
-            import engine
-            import engine.block_pool  # noqa: F401
-            import reference.prefix_cache  # noqa: F401
-
-            engine.LLM  # noqa: B018
-        except (ImportError, AttributeError) as exc:
-            return f"engine unavailable ({type(exc).__name__}: {exc})"
-        return None
-
-    def run(self, case, ops, backend, device):
-        from fuzz.targets import Result, guarded
-
-        def go():
-            problem = pool_check(case)
-            if problem:
-                return Result("failed", math.inf, f"block pool vs model: {problem}")
-            ratio, problem = engine_check(case, backend.name, device)
-            return Result(
-                "failed" if problem else "passed", ratio, f"cold vs warm: {problem}" if problem else ""
-            )
-
-        return guarded(go)
+    return model.free_order(), sorted(model.page_of.values()), model.evictions, model.queries, model.hits

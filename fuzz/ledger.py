@@ -1,23 +1,27 @@
-"""The known-failure ledger (fuzz/ledger.json), which never goes stale.
+"""The known-failure ledger (fuzz/ledger.json, or the user's own file: --ledger), which never goes stale.
 
-Each entry names a known failure and why it is tolerated:
+Each entry names a known failure and why it is tolerated (STYLE 16):
 
     {"id": "prefill-fp16-empty-rows", "reason": "...", "issue": 12, "kind": "wrong-answer",
      "target": "prefill", "backend": "triton", "match": {"dtype": "float16", "layout.kind": "block_mask"},
      "case": "failures/prefill-triton-float16-0123abcd.json"}
 
 - `kind` "wrong-answer": matching cases still run; their failures count as known, not new. The entry's
-  `case` file (required, relative to the ledger's folder) is replayed at the end of every campaign:
-  if it passes, the entry is stale and the run fails, so a fixed bug leaves the ledger.
+  `case` file (required) is replayed at the end of every campaign: if it passes, the entry is stale and
+  the run fails, so a fixed bug leaves the ledger.
 - `kind` "crash": matching cases are never launched (a crash may take the process down).
 - `match`: dotted case fields that must all be equal (`layout.kind`, `dtype`, `page_size`, ...). Left
   out, an entry matches exactly the case in its `case` file.
+- `backend`: a registry name (harness/registry.py). Paths in an entry, the `case` file and a
+  `file.py:attr` backend alike, are relative to the ledger file's folder, so a ledger may live anywhere.
 Every entry needs an id, a reason and an issue number.
 """
 
 import json
 import pathlib
 from dataclasses import dataclass, field
+
+from fuzz import backend_names
 
 KINDS = ("wrong-answer", "crash")
 REQUIRED = ("id", "reason", "issue", "kind", "target", "backend")
@@ -43,12 +47,13 @@ class Entry:
     issue: int
     kind: str
     target: str
-    backend: str
+    backend: str  # canonical (fuzz/backend_names.py)
     match: dict = field(default_factory=dict)
     case: str | None = None  # path of the case file, relative to the ledger's folder
     case_dict: dict | None = None  # the loaded case, when `case` is given
 
     def matches(self, target: str, backend: str, case: dict) -> bool:
+        """Whether this entry covers `case` (a plain dict) of `target` on the canonical `backend`."""
         if (target, backend) != (self.target, self.backend):
             return False
         flat = flatten(case)
@@ -81,8 +86,9 @@ def parse_entry(raw: dict, folder: pathlib.Path) -> Entry:
         if not path.exists():
             raise ValueError(f"ledger entry {name}: case file {path} does not exist")
         case_dict = json.loads(path.read_text())["case"]
+    values = {k: raw[k] for k in REQUIRED} | {"backend": backend_names.canonical(raw["backend"], folder)}
     return Entry(
-        **{k: raw[k] for k in REQUIRED},
+        **values,
         match=raw.get("match") or {},
         case=raw.get("case"),
         case_dict=case_dict,
@@ -98,7 +104,8 @@ class Ledger:
 
     @classmethod
     def load(cls, path) -> "Ledger":
-        path = pathlib.Path(path)
+        """The ledger at `path` (no entries when the file does not exist); ValueError for a bad entry."""
+        path = pathlib.Path(path).expanduser().resolve()
         if not path.exists():
             return cls(path, [])
         data = json.loads(path.read_text())
@@ -115,13 +122,15 @@ class Ledger:
         return next((e for e in self.entries if e.matches(target, backend, d)), None)
 
     def case_path(self, entry: Entry) -> pathlib.Path:
+        """The entry's case file: relative to the ledger's folder, wherever the campaign runs from."""
         return self.path.parent / entry.case
 
     def stale_entries(self, replay, available_backends=None) -> list[tuple[Entry, str]]:
         """Wrong-answer entries whose case now passes, as (entry, verdict).
 
-        `replay(path, backend) -> Result` runs a case file; crash entries are never launched, and
-        entries of backends not in `available_backends` (when given) are not replayed.
+        `replay(path, backend) -> Verdict` runs a case file on the (canonical) backend name; crash
+        entries are never launched, and entries of backends not in `available_backends` (when given)
+        are not replayed.
         """
         stale = []
         for entry in self.entries:

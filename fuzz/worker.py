@@ -1,12 +1,18 @@
 """One campaign worker: hypothesis drives the draws, shrinks each failure, and the case is saved.
 
-The worker runs `@given` in short chunks (a fresh seed each) and rotates through its targets until
-the time budget is spent. Inside the test function a case is checked once and memoised: after the
-budget, unseen cases pass without running so that a chunk ends quickly, and after a failure the
-shrinker gets its own, separate budget, past which unseen candidates pass too; hypothesis then
-replays its smallest failing case, which the memo answers. The shrinker works within what is left
-of the budget (at least MIN_SHRINK_S, at most --shrink-seconds). Progress goes to the parent through a
-queue as plain tuples.
+The worker loads the implementation by its registry name itself (it is a spawned process), then runs
+`@given` in short chunks (a fresh seed each), rotating over its targets and, within a target, over
+the dtypes to draw: each chunk draws with ONE dtype fixed, so the shrinker can never move a failure
+into another dtype. It stops drawing when the time box is over (`end_time`, if any), when a target
+has drawn its quota of cases (`max_cases`, this worker's share of --max-cases), or when a target has
+saved `max_failures` failures.
+
+Inside the test function a case is judged once and memoised. Past the time box or the quota, unseen
+draws pass without running, so that a chunk ends at once. After a failure the shrinker runs
+unhindered, bounded by hypothesis itself (at most 500 successful shrinks and five minutes) and, with
+`max_shrinks`, by a number of shrink candidates, past which unseen candidates pass; hypothesis then
+replays its smallest failing case, which the memo answers, and that case is saved. Progress goes to
+the parent through a queue as plain tuples.
 
 Imported only after the parent set TRITON_INTERPRET / CUDA_VISIBLE_DEVICES (fuzz/campaign.py).
 """
@@ -14,90 +20,124 @@ Imported only after the parent set TRITON_INTERPRET / CUDA_VISIBLE_DEVICES (fuzz
 import json
 import time
 import zlib
+from collections import defaultdict
 
 import torch
 from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings
 
-from fuzz import case_file
-from fuzz.backends import get_backend, load_ops
+from fuzz import backend_names, case_file, targets
 from fuzz.ledger import Ledger
-from fuzz.targets import all_targets
+from harness import registry
+from harness.judge import Verdict
 
 CHUNK_EXAMPLES = 8  # draws per @given run, before rotating to the next target
-MIN_SHRINK_S = 30.0  # a failure found near the end of the budget still gets this long to shrink
 MEMO_LIMIT = 20_000
+# A target whose chunks keep drawing nothing new (a filter nothing passes, an exhausted space) stops.
+MAX_IDLE_CHUNKS = 20
 
 
 class _Found(Exception):
     """Raised inside the hypothesis test for a failing case (its message is the verdict)."""
 
 
-def _key(case) -> str:
-    return json.dumps(case.to_dict(), sort_keys=True)
-
-
 class Worker:
-    """The state of one worker process; `run()` does the campaign and returns when time is up."""
+    """The state of one worker process; `run()` does the campaign and returns when it is over."""
 
     def __init__(self, cfg: dict, queue):
         self.cfg, self.queue = cfg, queue
         # cfg["device"] pins the device (the smoke tests keep CPU-sized cases on a GPU machine).
         self.device = cfg.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.backend = get_backend(cfg["backend"])
+        self.name = cfg["backend"]  # canonical (fuzz/backend_names.py)
         self.ledger = Ledger.load(cfg["ledger"])
-        self.memo: dict[str, object] = {}
-        self.end = cfg["end_time"]
-        self.failures: dict[str, int] = {}
-        self.shrink_end = 0.0
+        self.end = cfg.get("end_time")  # None: no time box
+        self.quota = cfg.get("max_cases")  # drawn cases per target for this worker; None: no bound
+        self.max_shrinks = cfg.get("max_shrinks")  # None: hypothesis's own bounds only
+        self.memo: dict[tuple, Verdict] = {}
+        self.drawn: dict[str, int] = defaultdict(int)
+        self.failures: dict[str, int] = defaultdict(int)
+        self.shrink_runs = 0
+        self.impl = None
 
     def send(self, *msg) -> None:
         self.queue.put((self.cfg["worker_id"], *msg))
 
+    def time_over(self) -> bool:
+        return self.end is not None and time.time() >= self.end
+
+    def quota_reached(self, target) -> bool:
+        return self.quota is not None and self.drawn[target.name] >= self.quota
+
     def run(self) -> None:
-        ops, reason = load_ops(self.backend.name)
-        targets = all_targets()
-        active = []
-        for name in self.cfg["targets"]:
-            target = targets[name]
-            why = reason or target.supported(ops, self.backend.name)
-            if why:
-                self.send("unavailable", name, why)
-            else:
-                active.append(target)
-        chunk = 0
-        while active and time.time() < self.end:
-            target = active[(chunk + self.cfg["worker_id"]) % len(active)]
-            self.run_chunk(
-                target, ops, zlib.crc32(f"{self.cfg['seed']}/{self.cfg['worker_id']}/{chunk}".encode())
-            )
+        try:
+            self.impl = registry.load(backend_names.loadable(self.name))
+        except Exception as exc:  # noqa: BLE001  (whatever the user's module raises on import)
+            for name in self.cfg["targets"]:
+                self.send("unavailable", name, f"cannot load {self.name}: {type(exc).__name__}: {exc}")
+            self.send("done")
+            return
+        plan, unavailable = targets.plan(self.impl, self.cfg["targets"], self.cfg.get("dtypes") or ())
+        for name, reason in unavailable.items():
+            self.send("unavailable", name, reason)
+        active = [name for name in plan if self.quota is None or self.quota > 0]
+        wid = self.cfg["worker_id"]
+        chunk, chunks_of, idle = 0, defaultdict(int), defaultdict(int)
+        while active and not self.time_over():
+            name = active[(chunk + wid) % len(active)]
+            target, dtypes = plan[name]
+            dtype = dtypes[(chunks_of[name] + wid) % len(dtypes)]
+            chunks_of[name] += 1
+            try:
+                strategy = target.strategy(self.impl, self.device, dtype)
+            except Exception as exc:  # noqa: BLE001  (nothing to draw within what is declared)
+                self.send("note", name, f"stopped: cannot draw {dtype} cases: {type(exc).__name__}: {exc}")
+                active.remove(name)
+                continue
+            chunk_seed = zlib.crc32(f"{self.cfg['seed']}/{wid}/{chunk}".encode())
+            new = self.run_chunk(target, strategy, chunk_seed)
             chunk += 1
-            if self.failures.get(target.name, 0) >= self.cfg["max_failures"]:
-                active.remove(target)
-                self.send("note", target.name, "stopped after max failures")
+            idle[name] = 0 if new else idle[name] + 1
+            why = None
+            if self.failures[name] >= self.cfg["max_failures"]:
+                why = f"stopped after {self.failures[name]} saved failure(s) (--max-failures)"
+            elif idle[name] >= MAX_IDLE_CHUNKS:
+                why = f"stopped: {MAX_IDLE_CHUNKS} chunks in a row drew no new case"
+            if why:
+                self.send("note", name, why)
+            if why or self.quota_reached(target):
+                active.remove(name)
         self.send("done")
 
-    def check(self, target, ops, case, shrinking: bool):
-        """Runs (or recalls) one case; returns its Result, or None when time is up for new cases."""
-        key = _key(case)
+    def check(self, target, case, shrinking: bool) -> Verdict | None:
+        """Judges (or recalls) one case; None when it is not run (time box over, quota, shrink cap)."""
+        key = (target.name, json.dumps(case.to_dict(), sort_keys=True))
         if key in self.memo:
             return self.memo[key]
-        if time.time() > (self.shrink_end if shrinking else self.end):
-            return None
-        entry = self.ledger.match(target.name, self.backend.name, case)
+        if shrinking:
+            if self.max_shrinks is not None and self.shrink_runs >= self.max_shrinks:
+                return None
+            self.shrink_runs += 1
+        else:
+            if self.time_over() or self.quota_reached(target):
+                return None
+            self.drawn[target.name] += 1
+        entry = self.ledger.match(target.name, self.name, case)
         if entry is not None and entry.kind == "crash":
-            self.send("case", target.name, target.dtype_of(case), 0.0, "skipped")
-            return None
-        result = target.run(case, ops, self.backend, self.device)
-        if entry is not None and not result.passed:
-            result.status = "known"
+            verdict = Verdict("skipped", message=f"ledger entry {entry.id} (crash): not launched")
+        else:
+            verdict = targets.run_case(target, self.impl, case, self.device)
+            if entry is not None and verdict.status == "failed":
+                verdict = Verdict("known", verdict.ratio, f"ledger entry {entry.id}: {verdict.message}")
+        verdict.outputs = None  # the memo keeps verdicts, not tensors
         if len(self.memo) < MEMO_LIMIT:
-            self.memo[key] = result
+            self.memo[key] = verdict
         if not shrinking:
-            self.send("case", target.name, target.dtype_of(case), result.ratio, result.status)
-        return result
+            self.send("case", target.name, target.dtype_of(case), verdict.ratio, verdict.status)
+        return verdict
 
-    def run_chunk(self, target, ops, chunk_seed: int) -> None:
-        found = {}
+    def run_chunk(self, target, strategy, chunk_seed: int) -> int:
+        """One @given run of up to CHUNK_EXAMPLES draws; returns how many new cases it drew."""
+        found, before = {}, self.drawn[target.name]
+        self.shrink_runs = 0
 
         @seed(chunk_seed)
         @settings(
@@ -111,17 +151,14 @@ class Worker:
             verbosity=Verbosity.quiet,
             print_blob=False,
         )
-        @given(case=target.strategy(self.backend, self.device))
+        @given(case=strategy)
         def test(case):
-            result = self.check(target, ops, case, shrinking=bool(found))
-            if result is not None and result.status == "failed":
+            verdict = self.check(target, case, shrinking=bool(found))
+            if verdict is not None and verdict.status == "failed":
                 if not found:
-                    now = time.time()
-                    # Shrink within what is left of the budget, but never for less than MIN_SHRINK_S.
-                    self.shrink_end = min(now + self.cfg["shrink_seconds"], max(self.end, now + MIN_SHRINK_S))
                     self.send("shrinking", target.name)
-                found["case"], found["result"] = case, result
-                raise _Found(result.message)
+                found["case"], found["verdict"] = case, verdict
+                raise _Found(verdict.message)
 
         try:
             test()
@@ -130,20 +167,32 @@ class Worker:
         except Exception as exc:  # noqa: BLE001  (hypothesis errors must not end the campaign)
             self.send("note", target.name, f"hypothesis error: {type(exc).__name__}: {exc}")
         if found:
-            self.save(target, found["case"], found["result"])
+            self.save(target, found["case"], found["verdict"])
+        return self.drawn[target.name] - before
 
-    def save(self, target, case, result) -> None:
+    def save(self, target, case, verdict) -> None:
+        words = target.describe(case)
         path = case_file.save(
             self.cfg["failures_dir"],
             target=target.name,
-            backend=self.backend.name,
+            backend=self.name,
             case=case.to_dict(),
             dtype=target.dtype_of(case),
-            result=result,
+            words=words,
+            verdict=verdict,
             device=self.device,
         )
-        self.failures[target.name] = self.failures.get(target.name, 0) + 1
-        self.send("failure", target.name, str(path), result.message, result.ratio)
+        self.failures[target.name] += 1
+        report = dict(
+            target=target.name,
+            dtype=target.dtype_of(case),
+            file=str(path),
+            case=words,
+            errors=targets.errors_in_words(verdict),
+            message=verdict.message,
+            ratio=verdict.ratio,
+        )
+        self.send("failure", report)
 
 
 def main(cfg: dict, queue) -> None:

@@ -1,110 +1,138 @@
-"""Smoke tests of `python -m fuzz`: a tiny campaign on the oracle itself, and a worker that must find,
-shrink and save a planted bug."""
+"""Smoke tests of `python -m fuzz` as a user runs it: campaigns bounded by --max-cases (never by
+throughput), an implementation in a file outside the repository, replay from the case file alone,
+and the user's own ledger outside the repository."""
 
 import json
-import os
-import subprocess
-import sys
-import time
-from types import SimpleNamespace
 
-import pytest
+from fuzz import case_file
+from harness.cases import AttentionCase, LayoutSpec
+from harness.judge import Verdict
 
+# The oracle with query head 1 zeroed, in a file of its own outside the repository.
+OUTSIDE_KERNEL = '''
 import reference
-from fuzz import backends, case_file
-from fuzz.worker import Worker
-
-SMOKE_MINUTES = "0.1"
 
 
-def _wrong_prefill(*args, **kwargs):
-    """The oracle with query head 1 zeroed: wrong whenever a case has 2+ heads and a non-empty row."""
-    out = reference.paged_prefill(*args, **kwargs)
-    out, lse = out if isinstance(out, tuple) else (out, None)
+def paged_prefill(*args, **kwargs):
+    result = reference.paged_prefill(*args, **kwargs)
+    out, lse = result if isinstance(result, tuple) else (result, None)
     out = out.clone()
     if out.shape[1] > 1:
         out[:, 1] = 0
-    return (out, lse) if lse is not None else out
+    return out if lse is None else (out, lse)
 
 
-class ListQueue(list):
-    put = list.append
+class impl:
+    """A kernel that forgets query head 1."""
+
+    write_kv = None
+    paged_decode = None
+    paged_prefill = staticmethod(paged_prefill)
+    capabilities = {"dtypes": ("float32",)}
+'''
 
 
-def run_worker(tmp_path, backend: str, target: str) -> list:
-    """One in-process worker, stopping at its first (shrunk, saved) failure."""
-    cfg = dict(
-        worker_id=0,
-        backend=backend,
-        targets=[target],
-        seed=0,
-        # Caps, not durations: the worker stops at its first failure once hypothesis has shrunk it
-        # (a second or two here); loaded machines (xdist on many cores) need the headroom.
-        end_time=time.time() + 90,
-        shrink_seconds=45.0,
-        max_failures=1,
-        failures_dir=str(tmp_path),
-        ledger=str(tmp_path / "none.json"),
-        threads=0,
-        device="cpu",  # CPU-sized cases, so that shrinking reaches the minimum within budget anywhere
+def summary_of(tmp_path) -> dict:
+    return json.loads((tmp_path / "summary.json").read_text())
+
+
+def test_campaign_on_the_oracle_runs_exactly_max_cases(tmp_path, fuzz_cli):
+    proc = fuzz_cli(
+        "--backend", "reference", "--workers", "2", "--max-cases", "10",
+        "--target", "prefill", "--target", "write_kv",
+        "--summary", tmp_path / "summary.json", "--failures-dir", tmp_path / "failures",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = summary_of(tmp_path)
+    assert data["exit_code"] == 0 and not data["failures"] and data["minutes"] is None
+    for target in ("prefill", "write_kv"):
+        counts = data["counts"][target]
+        assert counts["passed"] == 10 and counts["failed"] == counts["unsupported"] == 0, counts
+        assert sum(by["passed"] for by in counts["by_dtype"].values()) == 10
+    assert "passed 10  failed 0  unsupported 0" in proc.stdout
+
+
+def test_campaign_dtype_flag_draws_only_that_dtype(tmp_path, fuzz_cli):
+    proc = fuzz_cli(
+        "--backend", "reference", "--workers", "1", "--max-cases", "12", "--dtype", "float16",
+        "--target", "prefill", "--target", "decode", "--target", "engine",
+        "--summary", tmp_path / "summary.json", "--failures-dir", tmp_path / "failures",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = summary_of(tmp_path)
+    for target in ("prefill", "decode"):
+        assert set(data["counts"][target]["by_dtype"]) == {"float16"}
+        assert data["counts"][target]["passed"] == 12
+    assert "engine" not in data["counts"] and "float32" in data["unavailable"]["engine"]
+
+
+def test_campaign_on_a_file_outside_the_repository_replays_from_the_file(tmp_path, fuzz_cli):
+    (tmp_path / "my_kernel.py").write_text(OUTSIDE_KERNEL)
+    failures = tmp_path / "failures"
+    # A relative file name, typed in the kernel's own folder.
+    proc = fuzz_cli(
+        "--backend", "my_kernel.py:impl", "--workers", "1", "--max-cases", "40", "--target", "prefill",
+        "--max-failures", "1", "--failures-dir", failures, "--summary", tmp_path / "summary.json",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    [saved] = failures.glob("*.json")
+    data = case_file.load(saved)
+    assert data["backend"] == f"{(tmp_path / 'my_kernel.py').resolve()}:impl"
+    assert "FAILURE prefill" in proc.stdout and data["case_in_words"] in proc.stdout
+    # Replay from the repository root with nothing but the file.
+    replay = fuzz_cli("--replay", saved)
+    assert replay.returncode == 1 and "REPRODUCED" in replay.stdout, replay.stdout + replay.stderr[-2000:]
+
+
+def _passing_case_file(folder) -> str:
+    case = AttentionCase(
+        seed=1,
+        seq_lens=(5,),
+        query_lens=(3,),
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        page_size=2,
+        dtype="float32",
+        layout=LayoutSpec(),
     )
-    queue = ListQueue()
-    Worker(cfg, queue).run()
-    return [m for m in queue if m[1] == "failure"]
+    path = case_file.save(
+        folder,
+        target="prefill",
+        backend="reference",
+        case=case.to_dict(),
+        dtype=case.dtype,
+        words=case.describe(),
+        verdict=Verdict("failed", 2.0),
+        device="cpu",
+    )
+    return path.name
 
 
-def test_worker_finds_shrinks_and_saves(tmp_path, monkeypatch):
-    ops = SimpleNamespace(write_kv=None, paged_prefill=_wrong_prefill, paged_decode=None)
-    monkeypatch.setitem(backends.BACKENDS, "planted", backends.Backend("planted", lambda: ops))
-    failures = run_worker(tmp_path, "planted", "prefill")
-    assert len(failures) == 1
-    data = case_file.load(failures[0][3])
-    # Shrunk: the smallest failing case has exactly two query heads and one sequence.
-    assert data["case"]["num_heads"] == 2 and len(data["case"]["seq_lens"]) == 1
-    _, result = case_file.replay(failures[0][3])
-    assert result.status == "failed"
-
-
-def test_engine_target_catches_a_pool_that_frees_head_first(tmp_path, monkeypatch):
-    from engine.block_pool import BlockPool
-
-    def free_head_first(self, block_table):
-        for page_id in block_table:  # the bug: SPEC section 6 frees the tail first
-            self.pages[page_id].ref_count -= 1
-            if self.pages[page_id].ref_count == 0:
-                self.lru[page_id] = None
-
-    monkeypatch.setattr(BlockPool, "free", free_head_first)
-    failures = run_worker(tmp_path, "reference", "engine")
-    assert len(failures) == 1 and "block pool vs model" in failures[0][4]
-
-
-def test_campaign_entry_point_on_the_oracle(tmp_path):
-    summary = tmp_path / "summary.json"
-    # No GPU for the subprocess: CPU-sized cases, so some finish within the smoke budget anywhere.
-    env = os.environ | {"PYTHONPATH": ".", "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [
-        sys.executable,
-        "-m",
-        "fuzz",
-        "--minutes",
-        SMOKE_MINUTES,
-        "--backend",
-        "reference",
-        "--workers",
-        "1",
-    ]
-    cmd += ["--target", "prefill", "--target", "write_kv", "--summary", str(summary)]
-    cmd += ["--failures-dir", str(tmp_path / "failures")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    data = json.loads(summary.read_text())
-    assert data["exit_code"] == 0 and not data["failures"]
-    assert sum(data["cases"]["prefill"].values()) > 0
-    assert data["cases_per_minute"]["total"] > 0
-
-
-@pytest.mark.parametrize("name", sorted(backends.BACKENDS))
-def test_backends_load_or_say_why(name):
-    ops, reason = backends.load_ops(name)
-    assert (ops is None) != (reason is None)
+def test_stale_entry_of_a_user_ledger_outside_the_repository_fails_the_run(tmp_path, fuzz_cli):
+    ledger_dir = tmp_path / "my-ledger"
+    name = _passing_case_file(ledger_dir / "cases")
+    stale = dict(
+        id="fixed-long-ago",
+        reason="was wrong once",
+        issue=7,
+        kind="wrong-answer",
+        target="prefill",
+        backend="reference",
+        case=f"cases/{name}",
+    )
+    # Still wrong on the kernel next to the ledger's folder: named relative to the ledger file.
+    (tmp_path / "my_kernel.py").write_text(OUTSIDE_KERNEL)
+    still = stale | dict(id="head-one", reason="forgets head 1", backend="../my_kernel.py:impl")
+    ledger = ledger_dir / "ledger.json"
+    ledger.write_text(json.dumps({"entries": [stale, still]}))
+    proc = fuzz_cli(
+        "--backend", "reference", "--workers", "1", "--max-cases", "1", "--target", "write_kv",
+        "--ledger", ledger, "--summary", tmp_path / "summary.json", "--failures-dir", tmp_path / "failures",
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "STALE LEDGER ENTRY: fixed-long-ago (issue #7)" in proc.stdout
+    data = summary_of(tmp_path)
+    assert data["stale_ledger_entries"] == ["fixed-long-ago"]
+    assert not [n for n in data["notes"] if "not replayed" in n], data["notes"]

@@ -1,15 +1,15 @@
-"""Round trip of fuzz case files: save, load and replay, with the oracle and a deliberately wrong backend."""
+"""Round trip of fuzz case files (fuzz/case_file.py): save, load and replay, with the oracle and with
+a deliberately wrong implementation loaded by name."""
 
-import dataclasses
 import json
-from types import SimpleNamespace
 
 import pytest
-from tests.strategies import AttentionCase, LayoutSpec
 
-import reference
-from fuzz import backends, case_file
-from fuzz.targets import AttentionTarget, Result
+from fuzz import case_file, targets
+from harness import registry
+from harness.cases import AttentionCase, LayoutSpec
+from harness.judge import Verdict
+from tests.fuzz.implementations import named
 
 CASE = AttentionCase(
     seed=3,
@@ -22,37 +22,27 @@ CASE = AttentionCase(
     dtype="float32",
     layout=LayoutSpec(kind="local_strided", block_size=4, local_blocks=1, vert_stride=3),
 )
+ONE_PERCENT_OFF = named("ONE_PERCENT_OFF")
 
 
-def _off_by_one_percent(*args, **kwargs):
-    out, lse = reference.paged_prefill(*args, **kwargs)
-    return out * 1.01, lse
-
-
-@pytest.fixture
-def toy_backend(monkeypatch):
-    """A backend whose prefill is 1% off: every replay of its cases must fail."""
-    ops = SimpleNamespace(write_kv=None, paged_prefill=_off_by_one_percent, paged_decode=None)
-    monkeypatch.setitem(backends.BACKENDS, "toy-wrong", backends.Backend("toy-wrong", lambda: ops))
-    return "toy-wrong"
-
-
-def save(tmp_path, backend: str, result: Result):
+def save(tmp_path, backend: str, verdict: Verdict):
     return case_file.save(
         tmp_path,
         target="prefill",
         backend=backend,
         case=CASE.to_dict(),
         dtype=CASE.dtype,
-        result=result,
+        words=CASE.describe(),
+        verdict=verdict,
         device="cpu",
     )
 
 
 def test_case_file_round_trip(tmp_path):
-    path = save(tmp_path, "reference", Result("failed", float("inf"), "boom", {"out": {"max_err": 1.0}}))
+    path = save(tmp_path, "reference", Verdict("failed", float("inf"), "boom", {"out": {"max_err": 1.0}}))
     data = case_file.load(path)
     assert AttentionCase.from_dict(data["case"]) == CASE
+    assert data["backend"] == "reference" and data["case_in_words"] == CASE.describe()
     assert data["verdict"]["ratio"] == "inf"  # JSON has no infinity
     assert data["replay"] == f"nox -s kernel-fuzz -- --replay {path}"
     assert set(data["versions"]) >= {"torch", "python"}
@@ -60,23 +50,35 @@ def test_case_file_round_trip(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_case_file_name_is_safe_for_any_backend_name(tmp_path):
+    path = save(tmp_path, "/somewhere/else/my_kernel.py:impl", Verdict("failed", 2.0))
+    assert path.parent == tmp_path and path.name.startswith("prefill-my_kernel-impl-float32-")
+
+
 def test_replay_of_the_oracle_passes(tmp_path):
-    path = save(tmp_path, "reference", Result("failed", 2.0))
-    _, result = case_file.replay(path)
-    assert result.status == "passed" and result.ratio <= 1.0
-    assert case_file.main_replay(path) == 0
+    path = save(tmp_path, "reference", Verdict("failed", 2.0))
+    replayed = case_file.replay(path)
+    assert replayed.backend == "reference"
+    assert replayed.verdict.status == "passed" and replayed.verdict.ratio <= 1.0
+    assert case_file.main_replay(path) == case_file.NOT_REPRODUCED
 
 
-def test_replay_reproduces_a_wrong_backend(tmp_path, toy_backend, capsys):
-    target = AttentionTarget("prefill", decode=False)
-    ops = backends.get_backend(toy_backend).load()
-    found = target.run(CASE, ops, backends.get_backend(toy_backend), "cpu")
+def test_replay_reproduces_a_wrong_backend(tmp_path, capsys):
+    found = targets.run_case(targets.all_targets()["prefill"], registry.load(ONE_PERCENT_OFF), CASE, "cpu")
     assert found.status == "failed"
-    path = save(tmp_path, toy_backend, found)
-    assert case_file.main_replay(path) == 1
+    path = save(tmp_path, ONE_PERCENT_OFF, found)
+    assert case_file.main_replay(path) == case_file.REPRODUCED
     assert "REPRODUCED" in capsys.readouterr().out
-    # The same file replays on another backend by name.
-    assert case_file.main_replay(path, "reference") == 0
+    # The same file replays on another implementation by name.
+    assert case_file.main_replay(path, "reference") == case_file.NOT_REPRODUCED
+
+
+def test_replay_says_why_it_cannot_run(tmp_path, capsys):
+    path = save(tmp_path, str(tmp_path / "gone.py") + ":impl", Verdict("failed", 2.0))
+    assert case_file.main_replay(path) == case_file.NOT_RUN
+    assert "gone.py" in capsys.readouterr().out
+    # Nor is an implementation asked for a dtype it does not declare.
+    assert case_file.main_replay(path, named("NARROW")) == case_file.NOT_RUN
 
 
 def test_load_rejects_other_json(tmp_path):
@@ -84,10 +86,6 @@ def test_load_rejects_other_json(tmp_path):
     bad.write_text(json.dumps({"format": 1}))
     with pytest.raises(ValueError, match="missing"):
         case_file.load(bad)
-    bad.write_text(
-        json.dumps(
-            dataclasses.asdict(Result("passed")) | {"format": 99, "target": "p", "backend": "b", "case": {}}
-        )
-    )
+    bad.write_text(json.dumps({"format": 99, "target": "p", "backend": "b", "case": {}}))
     with pytest.raises(ValueError, match="format"):
         case_file.load(bad)

@@ -7,7 +7,7 @@ import pytest
 
 import fuzz
 from fuzz.ledger import Ledger
-from fuzz.targets import Result
+from harness.judge import Verdict
 
 CASE = {"seed": 7, "dtype": "float16", "layout": {"kind": "block_mask", "block_size": 16}}
 
@@ -70,14 +70,14 @@ def test_ledger_rejects_duplicate_ids(tmp_path):
 
 def test_stale_wrong_answer_entry_fails(tmp_path):
     ledger = Ledger.load(write_ledger(tmp_path, [entry()]))
-    stale = ledger.stale_entries(lambda path, backend: Result("passed"))
+    stale = ledger.stale_entries(lambda path, backend: Verdict("passed"))
     assert [e.id for e, _ in stale] == ["prefill-fp16-mask"]
     assert "issue #12" in stale[0][1]
 
 
 def test_still_failing_entry_is_not_stale(tmp_path):
     ledger = Ledger.load(write_ledger(tmp_path, [entry()]))
-    assert ledger.stale_entries(lambda path, backend: Result("failed", 3.0)) == []
+    assert ledger.stale_entries(lambda path, backend: Verdict("failed", 3.0)) == []
 
 
 def test_crash_entries_are_never_launched(tmp_path):
@@ -93,8 +93,22 @@ def test_crash_entries_are_never_launched(tmp_path):
 
 def test_unavailable_backend_entries_are_not_replayed(tmp_path):
     ledger = Ledger.load(write_ledger(tmp_path, [entry()]))
-    assert ledger.stale_entries(lambda path, backend: Result("passed"), available_backends=set()) == []
+    assert ledger.stale_entries(lambda path, backend: Verdict("passed"), available_backends=set()) == []
 
 
 def test_repository_ledger_is_valid():
     Ledger.load(pathlib.Path(fuzz.__file__).parent / "ledger.json")
+
+
+def test_ledger_paths_are_relative_to_the_ledger_file(tmp_path, monkeypatch):
+    path = write_ledger(
+        tmp_path, [entry(), entry(id="mine", backend="../kernels/mine.py:impl", match={"seed": 1})]
+    )
+    monkeypatch.chdir(tmp_path / "failures")  # anywhere but the ledger's folder
+    ledger = Ledger.load(pathlib.Path("..") / path.name)
+    assert ledger.case_path(ledger.entries[0]) == tmp_path / "failures" / "known.json"
+    assert ledger.entries[0].case_dict == CASE
+    assert ledger.entries[1].backend == f"{tmp_path.parent / 'kernels' / 'mine.py'}:impl"
+    seen = []
+    ledger.stale_entries(lambda p, backend: seen.append(p.read_text()) or Verdict("failed", 2.0))
+    assert len(seen) == 2 and all(json.loads(text)["case"] == CASE for text in seen)

@@ -1,0 +1,123 @@
+"""Implementations under test for the campaign's own tests, named like anyone's kernel (contract §9):
+`tests.fuzz.implementations:HEAD_ONE_ZEROED` and so on. Each is the oracle with one planted behaviour."""
+
+from types import SimpleNamespace
+
+import torch
+
+import reference
+
+
+def named(attr: str) -> str:
+    """The registry name of one of this module's implementations."""
+    return f"{__name__}:{attr}"
+
+
+def _out_lse(result):
+    return result if isinstance(result, tuple) else (result, None)
+
+
+def _with_out(out, lse):
+    return out if lse is None else (out, lse)
+
+
+def head_one_zeroed_prefill(*args, **kwargs):
+    """The oracle with query head 1 zeroed: wrong whenever a case has 2+ heads and a non-empty row."""
+    out, lse = _out_lse(reference.paged_prefill(*args, **kwargs))
+    out = out.clone()
+    if out.shape[1] > 1:
+        out[:, 1] = 0
+    return _with_out(out, lse)
+
+
+# Wrong in every dtype, so a shrink that moved the dtype would still fail (and show it).
+HEAD_ONE_ZEROED = SimpleNamespace(write_kv=None, paged_prefill=head_one_zeroed_prefill, paged_decode=None)
+
+
+def one_percent_off_prefill(*args, **kwargs):
+    """The oracle's output times 1.01: every case with a non-empty row fails."""
+    out, lse = _out_lse(reference.paged_prefill(*args, **kwargs))
+    return _with_out(out * 1.01, lse)
+
+
+ONE_PERCENT_OFF = SimpleNamespace(write_kv=None, paged_prefill=one_percent_off_prefill, paged_decode=None)
+
+
+def _odd_tokens_refused(fn):
+    def refusing(q, *args, **kwargs):
+        if q.shape[0] % 2:
+            raise NotImplementedError("an odd number of tokens")
+        return fn(q, *args, **kwargs)
+
+    return refusing
+
+
+# Refuses about half of all cases (contract §9: such cases are unsupported, never passed or failed).
+REFUSES_ODD_TOKENS = SimpleNamespace(
+    write_kv=None,
+    paged_prefill=_odd_tokens_refused(reference.paged_prefill),
+    paged_decode=_odd_tokens_refused(reference.paged_decode),
+)
+
+NARROW_CAPABILITIES = {"dtypes": ("float16",), "layouts": ("dense",), "lse": False, "context": False}
+
+
+def _check_declared(q, layout, return_lse) -> None:
+    # AssertionError on purpose: judged as a crash, so a case outside the declaration fails the test.
+    assert q.dtype == torch.float16, f"asked for {q.dtype}"
+    assert layout is None, f"asked for layout {layout!r}"
+    assert not return_lse, "asked for the lse"
+
+
+def narrow_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, **kwargs):
+    """The oracle, refusing (by AssertionError) anything outside NARROW_CAPABILITIES."""
+    _check_declared(q, kwargs.get("layout"), kwargs.get("return_lse", False))
+    queries = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
+    assert queries == seq_lens.tolist(), f"asked for a cached context: {seq_lens.tolist()} vs {queries}"
+    return reference.paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, **kwargs)
+
+
+def narrow_decode(q, *args, **kwargs):
+    """The oracle's decode (whose context is inherent), refusing other dtypes, layouts and lse."""
+    _check_declared(q, kwargs.get("layout"), kwargs.get("return_lse", False))
+    return reference.paged_decode(q, *args, **kwargs)
+
+
+def narrow_write_kv(k, v, k_cache, v_cache, slot_mapping):
+    """The oracle's write, refusing other dtypes."""
+    assert k.dtype == torch.float16, f"asked for {k.dtype}"
+    return reference.write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+NARROW = SimpleNamespace(
+    write_kv=narrow_write_kv,
+    paged_prefill=narrow_prefill,
+    paged_decode=narrow_decode,
+    capabilities=NARROW_CAPABILITIES,
+)
+
+
+def context_drift_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, **kwargs):
+    """The oracle, off by 1e-3 whenever a sequence has a cached context: the engine's warm runs (prefix
+    cache hits) then differ from its cold runs."""
+    result = reference.paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, **kwargs)
+    out, lse = _out_lse(result)
+    if bool((query_start_loc[1:] - query_start_loc[:-1] < seq_lens).any()):
+        out = out + 1e-3
+    return _with_out(out, lse)
+
+
+CONTEXT_DRIFT = SimpleNamespace(
+    write_kv=reference.write_kv, paged_prefill=context_drift_prefill, paged_decode=reference.paged_decode
+)
+
+
+def expects_poison_prefill(*args, **kwargs):
+    """The oracle, after checking that its own fresh allocation is NaN (the campaign poisons them)."""
+    scratch = torch.empty(4, 4)
+    if not bool(torch.isnan(scratch).all()):
+        raise RuntimeError("a fresh allocation of the implementation was not NaN-poisoned")
+    return reference.paged_prefill(*args, **kwargs)
+
+
+EXPECTS_POISON = SimpleNamespace(write_kv=None, paged_prefill=expects_poison_prefill, paged_decode=None)
