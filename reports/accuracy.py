@@ -1,14 +1,18 @@
 """`nox -s report` (or `python3 -m reports.accuracy --device cuda`): the numerical accuracy report.
 
-Writes reports/<cpu|gpu>/accuracy.md (summary table first, then the plots), the PNG plots and
-accuracy.json (every number of the markdown, and more). For each operator x dtype x layout family
-and each backend (the Triton kernels, then the comparison backends sdpa and flex of fuzz/backends.py)
-it measures SPEC section 5's quantities against the float64 oracle: max and mean |out - ref|, their
-ratios to the same-dtype oracle `base`, the tolerance gate (<= 1 passes), the max ULP distance in the
-output dtype, the share of elements over tolerance and NaN/Inf counts; then curves of the error
-against sequence length, block sparsity and cached-prefix share. CPU shapes are interpreter-sized;
-`--device cuda` uses Phi-3-small's heads (32/8, D 128, S 64) and a few thousand tokens.
-Measurements live in reports/accuracy_measure.py, the markdown and plots in reports/accuracy_render.py.
+    python -m reports.accuracy [--backend NAME[,NAME...]] [--device cpu|cuda] [--profile P] [--out DIR]
+
+Each implementation (a registry name: triton, reference, sdpa, flex, package.module:attr or
+path/file.py:attr; contract §9) gets one verdict. Every case is run and judged by
+`harness.judge` against the float64 oracle, computed once per case for all implementations; a case
+outside an implementation's declared capabilities, or one it refuses with NotImplementedError, is
+*unsupported*, counted apart and never a failure. The report writes reports/<cpu|gpu>/accuracy.md
+(verdicts, the conformance matrix, per-implementation tables, error curves, the cases), the PNG
+curves and accuracy.json (every number of the markdown, and more), and names every file it wrote on
+stdout; progress goes to stderr. CPU shapes are interpreter-sized; `--device cuda` uses Phi-3-small's
+heads (32/8, D 128, S 64) and a few thousand tokens; `--profile tiny` shrinks everything to seconds.
+Shapes and cases live in reports/accuracy_cases.py, measurements in reports/accuracy_measure.py, the
+markdown in reports/accuracy_render.py and the plots in reports/plots.py.
 """
 
 import argparse
@@ -16,22 +20,23 @@ import json
 import math
 import os
 import pathlib
+import platform
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 
-from reports.accuracy_measure import Runner, aggregate
-from reports.accuracy_render import device_name, markdown, plot_curves, verdict, versions
+from harness import registry
+from harness.cases import LAYOUT_KINDS
+from reports.accuracy_cases import PROFILES, Profile, curve_cases, kept_share, summary_cases
+from reports.accuracy_measure import Runner, aggregate, load_implementations
+from reports.accuracy_render import cell, markdown
+from reports.plots import plot_curves
 
 DEVICE_FOLDERS = {"cpu": "cpu", "cuda": "gpu"}
-BACKENDS = ("triton", "sdpa", "flex")
+DEFAULT_BACKENDS = ("triton", "sdpa", "flex")
 OPERATORS = ("paged_prefill", "paged_decode", "write_kv")
-LAYOUT_FAMILIES = ("dense", "local_strided", "block_mask")
-SUMMARY_SEEDS = (11, 12, 13)
-CURVE_SEED = 21
-
 
 _T0 = time.time()
 
@@ -41,209 +46,160 @@ def log(message: str) -> None:
     print(f"[{time.time() - _T0:6.1f} s] {message}", file=sys.stderr, flush=True)
 
 
-@dataclass(frozen=True)
-class Profile:
-    """Shapes of one device's report."""
-
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    page_size: int
-    block_size: int
-    local_blocks: int
-    vert_stride: int
-    dtypes: tuple[str, ...]
-    curve_dtype: str
-    # Summary cases: (seq_lens, context_lens) per case.
-    batches: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
-    seq_lens: tuple[int, ...]  # sequence-length curve
-    curve_len: int  # length of the sparsity and cached-prefix curves
-    block_mask_density: float = 0.5  # of the summary's block_mask rows
-    densities: tuple[float, ...] = (0.1, 0.25, 0.5, 0.75, 1.0)
-    prefix_shares: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 0.9, 0.97)
-
-
-PROFILES = {
-    "cpu": Profile(
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-        page_size=16,
-        block_size=16,
-        local_blocks=2,
-        vert_stride=3,
-        dtypes=("float32", "float16", "bfloat16"),
-        curve_dtype="float16",
-        batches=(((128,), (0,)), ((200, 37), (100, 0)), ((96, 17, 150), (90, 16, 64))),
-        seq_lens=(16, 32, 64, 128, 256),
-        curve_len=192,
-    ),
-    "cuda": Profile(
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        page_size=16,
-        block_size=64,
-        local_blocks=16,
-        vert_stride=8,
-        dtypes=("float32", "float16", "bfloat16"),
-        curve_dtype="bfloat16",
-        batches=(((2048,), (0,)), ((1500, 700), (1000, 0)), ((3000, 64, 1000), (2900, 0, 512))),
-        seq_lens=(128, 256, 512, 1024, 2048, 4096),
-        curve_len=2048,
-    ),
-}
-
-
-def layout_spec(family: str, p: Profile, density: float, seed: int):
-    from tests.strategies import LayoutSpec
-
-    if family == "dense":
-        return LayoutSpec(block_size=p.block_size)
-    if family == "local_strided":
-        return LayoutSpec("local_strided", p.block_size, p.local_blocks, p.vert_stride)
-    return LayoutSpec("block_mask", p.block_size, density=density, mask_seed=seed)
-
-
-def make_case(
-    p: Profile, seq_lens, context_lens, dtype: str, family: str, seed: int, density: float | None = None
-):
-    from tests.strategies import AttentionCase
-
-    return AttentionCase(
-        seed=seed,
-        seq_lens=tuple(seq_lens),
-        query_lens=tuple(n - c for n, c in zip(seq_lens, context_lens, strict=True)),
-        num_heads=p.num_heads,
-        num_kv_heads=p.num_kv_heads,
-        head_dim=p.head_dim,
-        page_size=p.page_size,
-        dtype=dtype,
-        layout=layout_spec(family, p, p.block_mask_density if density is None else density, seed),
-    )
-
-
-def summary_rows(runner: Runner, p: Profile, backends) -> list[dict]:
-    """One row per operator x layout family x dtype x backend, each over the profile's batches."""
+def summary_rows(runner: Runner, p: Profile, impls: dict) -> list[dict]:
+    """One row per operator x layout x dtype x implementation, each over the profile's batches."""
     rows = []
     for op in OPERATORS:
-        families = ("dense",) if op == "write_kv" else LAYOUT_FAMILIES
-        for family in families:
+        for kind in ("dense",) if op == "write_kv" else LAYOUT_KINDS:
             for dtype in p.dtypes:
-                measures = {name: [] for name in backends if name in runner.ops}
-                # Cases outermost, so that the oracle of a case is computed once for every backend.
-                for (lens, ctx), s in zip(p.batches, SUMMARY_SEEDS, strict=True):
-                    context = tuple(n - 1 for n in lens) if op == "paged_decode" else ctx
-                    case = make_case(p, lens, context, dtype, family, s)
-                    for name in measures:
+                measures = {name: [] for name in impls}
+                # Cases outermost, so that a case's oracle is computed once for every implementation.
+                for case in summary_cases(p, op, kind, dtype):
+                    for name, impl in impls.items():
                         if op == "write_kv":
-                            measures[name].append(runner.write_kv(name, case))
+                            measures[name].append(runner.write_kv(impl, case))
                         else:
-                            measures[name].append(runner.attention(name, case, op == "paged_decode"))
+                            measures[name].append(runner.attention(impl, case, op == "paged_decode"))
+                layout = "-" if op == "write_kv" else kind
                 for name, got in measures.items():
-                    if name != "triton" and all(m.get("error", "").startswith("n/a") for m in got):
-                        continue
-                    layout = "-" if op == "write_kv" else family
-                    rows.append(dict(operator=op, layout=layout, dtype=dtype, backend=name) | aggregate(got))
-                    log(f"{op:13s} {family:13s} {dtype:8s} {name:6s} {verdict(rows[-1])}")
+                    rows.append(
+                        dict(operator=op, layout=layout, dtype=dtype, implementation=name) | aggregate(got)
+                    )
+                    log(f"{op:13s} {layout:13s} {dtype:8s} {name:10s} {cell(rows[-1])}")
     return rows
 
 
-def _point(measure_: dict):
-    """(max_err, max_err / base max_err) of one curve point, or None when the backend did not run."""
-    out = measure_.get("out")
-    return (out["max_err"], out["max_to_base"]) if out else None
+def curves(runner: Runner, p: Profile, impls: dict) -> dict:
+    """Error of prefill against sequence length, sparsity and cached-prefix share, in p.curve_dtype.
 
-
-def curves(runner: Runner, p: Profile, backends) -> dict:
-    """Error of prefill against sequence length, sparsity and cached-prefix share, in p.curve_dtype."""
-    dt, n = p.curve_dtype, p.curve_len
-    sweeps = {
-        "seq_len": [
-            (L, make_case(p, (L,), (0,), dt, family, CURVE_SEED), family)
-            for family in ("dense", "local_strided")
-            for L in p.seq_lens
-        ],
-        "sparsity": [
-            (d, make_case(p, (n,), (0,), dt, "block_mask", CURVE_SEED, density=d), "block_mask")
-            for d in p.densities
-        ],
-        "prefix_share": [
-            (share, make_case(p, (n,), (min(n - 1, round(share * n)),), dt, family, CURVE_SEED), family)
-            for family in ("dense", "local_strided")
-            for share in p.prefix_shares
-        ],
-    }
+    Returns {sweep: {layout kind: {"x": [...], "base": [...], "implementations": {name: points}}}},
+    a point being (max_err, max_err / base max_err), or None where the case was not judged.
+    """
     result = {}
-    for sweep, points in sweeps.items():
-        series: dict[str, dict] = {}
-        for x, case, family in points:
-            _, ((ref_out, _), (base_out, _)) = runner.oracle(case, False)
-            entry = series.setdefault(family, {"x": [], "base": [], "backends": {b: [] for b in backends}})
-            if sweep == "sparsity":
-                x = kept_share(case)
-            entry["x"].append(x)
+    for sweep, points in curve_cases(p).items():
+        series = {}
+        for x, case, kind in points:
+            _, ((ref_out, _), (base_out, _)) = runner.oracle(case)
+            entry = series.setdefault(kind, {"x": [], "base": [], "implementations": {m: [] for m in impls}})
+            entry["x"].append(kept_share(case) if sweep == "sparsity" else x)
             entry["base"].append(float((base_out.double() - ref_out).abs().max()))
-            for name in backends:
-                m = runner.attention(name, case, False) if name in runner.ops else {"error": "unavailable"}
-                entry["backends"][name].append(_point(m))
+            for name, impl in impls.items():
+                out = runner.attention(impl, case, False).get("out")
+                entry["implementations"][name].append((out["max_err"], out["max_to_base"]) if out else None)
         result[sweep] = series
         log(f"curve {sweep} done")
     return result
 
 
-def kept_share(case) -> float:
-    """Share of the causal (query block, key block) pairs a block-mask layout keeps."""
-    nb = math.ceil(max(case.seq_lens) / case.layout.block_size)
-    mask = case.layout.build(case.num_heads, max(case.seq_lens)).block_mask(case.num_heads, nb)
-    causal = nb * (nb + 1) // 2 * case.num_heads
-    return round(float(mask.sum()) / causal, 3)
+def device_name(device: str) -> str:
+    """The device in words, as every figure of the report is labelled."""
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return f"CPU ({platform.processor() or platform.machine()}), Triton interpreter (TRITON_INTERPRET=1)"
+
+
+def versions() -> dict:
+    """Versions of what produced the report (triton only when importable)."""
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        out["triton"] = None
+    return out
+
+
+def jsonable(x):
+    """JSON has no inf/nan: they are stored as strings."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    return x
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument(
+        "--backend",
+        default=",".join(DEFAULT_BACKENDS),
+        help="comma-separated implementations (default: %(default)s): " + registry.describe_names(),
+    )
+    parser.add_argument("--device", choices=tuple(DEVICE_FOLDERS), default="cpu")
+    parser.add_argument("--profile", choices=tuple(PROFILES), default=None, help="default: the device's")
+    parser.add_argument("--out", type=pathlib.Path, default=None, help="default: reports/<cpu|gpu>")
+    args = parser.parse_args(argv)
+    args.names = tuple(dict.fromkeys(b.strip() for b in args.backend.split(",") if b.strip()))
+    unknown = [b for b in args.names if b not in registry.BUILTINS and ":" not in b]
+    if not args.names or unknown:
+        parser.error(f"--backend: unknown {unknown or args.backend!r}; use {registry.describe_names()}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
+    args.profile = args.profile or args.device
+    if args.out is None and args.profile != args.device:
+        # The committed reports/<device>/ holds the device's own profile only.
+        parser.error(f"--profile {args.profile} needs --out")
+    return args
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--device", choices=tuple(DEVICE_FOLDERS), default="cpu")
-    parser.add_argument("--out", type=pathlib.Path, default=None, help="default: reports/<cpu|gpu>")
-    parser.add_argument(
-        "--backends", default=",".join(BACKENDS), help="comma-separated, from " + ", ".join(BACKENDS)
-    )
-    args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device here")
+    """Measures, writes the report's files and names each of them on stdout."""
+    args = _parse(argv)
     if args.device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
         torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     out = args.out or pathlib.Path(__file__).parent / DEVICE_FOLDERS[args.device]
     out.mkdir(parents=True, exist_ok=True)
-    backends = tuple(b for b in args.backends.split(",") if b)
-    p = PROFILES[args.device]
+    p = PROFILES[args.profile]
     start = time.time()
-    runner = Runner(args.device, backends)
-    print(
-        f"report: {args.device}, backends {list(runner.ops)} (unavailable: {runner.unavailable})",
-        file=sys.stderr,
-    )
-    rows = summary_rows(runner, p, backends)
-    curve_data = curves(runner, p, backends)
+    impls, unavailable = load_implementations(args.names)
+    log(f"report: {args.device}, profile {args.profile}, {list(impls)} (unavailable: {unavailable})")
+    implementations = [
+        dict(
+            name=n,
+            available=True,
+            description=impls[n].description,
+            capabilities=impls[n].capabilities.as_dict(),
+        )
+        if n in impls
+        else dict(name=n, available=False, reason=unavailable[n])
+        for n in args.names
+    ]
+    runner = Runner(args.device)
+    rows = summary_rows(runner, p, impls)
+    curve_data = curves(runner, p, impls)
     meta = dict(
         device=args.device,
         device_name=device_name(args.device),
+        profile=args.profile,
+        requested=list(args.names),
         versions=versions(),
         generated=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         command=" ".join(["python -m reports.accuracy", *(argv if argv is not None else sys.argv[1:])]),
-        unavailable=runner.unavailable,
     )
     footnote = (
         f"{meta['device_name']}; torch {meta['versions']['torch']}, triton {meta['versions']['triton']}"
     )
-    plots = plot_curves(curve_data, out, p, meta["device_name"], footnote)
+    plots = plot_curves(curve_data, out, p.curve_dtype, meta["device_name"], footnote)
     meta["elapsed_s"] = time.time() - start
-    from fuzz.case_file import jsonable
-
-    data = dict(meta=meta, profile=asdict(p), rows=rows, curves=curve_data, plots=plots)
-    (out / "accuracy.json").write_text(json.dumps(jsonable(data), indent=1) + "\n")
-    (out / "accuracy.md").write_text(markdown(meta, rows, plots, p))
-    print(f"wrote {out / 'accuracy.md'} ({meta['elapsed_s']:.0f} s)", file=sys.stderr)
+    files = [out / "accuracy.md", out / "accuracy.json", *(out / name for name in plots)]
+    data = dict(
+        meta=meta,
+        profile=asdict(p),
+        implementations=implementations,
+        rows=rows,
+        curves=curve_data,
+        plots=plots,
+        files=[f.name for f in files],
+    )
+    files[1].write_text(json.dumps(jsonable(data), indent=1) + "\n")
+    files[0].write_text(markdown(meta, implementations, rows, plots, p))
+    log(f"done in {meta['elapsed_s']:.0f} s")
+    for path in files:
+        print(f"wrote {path}")
     return 0
 
 

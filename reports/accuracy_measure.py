@@ -1,21 +1,40 @@
-"""Measurements of the accuracy report (reports/accuracy.py): SPEC section 5's quantities per case.
+"""Measurements of the accuracy report (reports/accuracy.py): every case judged by harness.judge.
 
-`Runner` runs one case on each backend of fuzz/backends.py against the oracle (computed once per
-case), `measure` turns one output into the report's columns, `aggregate` folds a row's cases.
+`load_implementations` looks the requested names up in the registry (an implementation that cannot be
+loaded is kept with the reason), `Runner` builds a case's inputs and oracle once and hands them to
+`judge_attention` / `judge_write_kv` for every implementation, `columns` turns a verdict into the
+report's extra columns (ratios to base, max ULP, share over tolerance, NaN/Inf) and `aggregate` folds
+the verdicts of one table row. Judging itself (contract §5's rule) happens in harness.judge only.
 """
 
 import math
+from collections import Counter
 
 import torch
 
+from harness import registry
+from harness.cases import build_inputs, write_kv_inputs
+from harness.judge import bits, judge_attention, judge_write_kv, oracle_and_base
+
 # ULPs are counted where |ref| >= this share of max|ref| (near zero the ULP shrinks without bound).
 ULP_MAGNITUDE_CUTOFF = 2.0**-10
+# What a row (or matrix cell) shows when the implementation lacks the operator altogether.
+NOT_PROVIDED = "not provided"
+
+
+def load_implementations(names) -> tuple[dict, dict]:
+    """({name: Implementation}, {name: why it could not be loaded}) for the requested names."""
+    loaded, unavailable = {}, {}
+    for name in names:
+        try:
+            loaded[name] = registry.load(name)
+        except Exception as exc:  # noqa: BLE001  (flex on an old torch, a broken user file: say why)
+            unavailable[name] = f"{type(exc).__name__}: {exc}"
+    return loaded, unavailable
 
 
 def ordered_bits(t: torch.Tensor) -> torch.Tensor:
     """Integers whose differences count ULPs between floats of t's dtype (sign-magnitude unfolded)."""
-    from fuzz.targets import bits
-
     i = bits(t).long()
     magnitude = i & ((1 << (8 * t.element_size() - 1)) - 1)
     return torch.where(i < 0, -magnitude, magnitude)
@@ -36,136 +55,132 @@ def max_ulp(out: torch.Tensor, ref: torch.Tensor) -> int:
     return int((ordered_bits(out) - ordered_bits(rounded)).abs()[finite].max())
 
 
-def measure(out, ref, base, dtype: torch.dtype) -> dict:
-    """SPEC section 5's quantities for one output tensor (inputs of `dtype`), plus ULPs and NaN/Inf."""
-    from tests.tolerance import error_stats
+def _number(x) -> float:
+    # harness.judge.stats_dict stores non-finite floats as the strings "inf" / "nan".
+    return float(x)
 
-    s = error_stats(out, ref, base, dtype)
+
+def _to_base(err: float, base: float) -> float:
+    if base:
+        return err / base
+    return 0.0 if err == 0 else math.inf
+
+
+def columns(stats: dict, out: torch.Tensor, ref: torch.Tensor) -> dict:
+    """The report's columns for one output, from the verdict's stats and the tensor it judged."""
+    s = {k: _number(stats[k]) for k in ("max_err", "mean_err", "base_max_err", "base_mean_err")}
+    gate = max(_number(stats["max_ratio"]), _number(stats["mean_ratio"]))
     return dict(
-        max_err=s.max_err,
-        mean_err=s.mean_err,
-        base_max_err=s.base_max_err,
-        base_mean_err=s.base_mean_err,
-        max_to_base=s.max_err / s.base_max_err if s.base_max_err else (0.0 if s.max_err == 0 else math.inf),
-        mean_to_base=s.mean_err / s.base_mean_err
-        if s.base_mean_err
-        else (0.0 if s.mean_err == 0 else math.inf),
-        gate=s.ratio if s.bad_nonfinite == 0 else math.inf,
-        passed=s.passed,
+        s,
+        max_to_base=_to_base(s["max_err"], s["base_max_err"]),
+        mean_to_base=_to_base(s["mean_err"], s["base_mean_err"]),
+        gate=gate if stats["bad_nonfinite"] == 0 else math.inf,
         max_ulp=max_ulp(out, ref),
-        over=s.over_tolerance,
-        numel=s.numel,
+        over=stats["over_tolerance"],
+        numel=stats["numel"],
         nan=int(torch.isnan(out).sum()),
         inf=int(torch.isinf(out).sum()),
     )
 
 
 class Runner:
-    """Runs cases on the backends, caching the oracle per case."""
+    """Judges cases on implementations, building each case's inputs and oracle once for all of them."""
 
-    def __init__(self, device: str, backends: tuple[str, ...]):
-        from fuzz.backends import get_backend, load_ops
-
+    def __init__(self, device: str):
         self.device = device
-        self.ops, self.unavailable = {}, {}
-        for name in backends:
-            ops, reason = load_ops(name)
-            if ops is None:
-                self.unavailable[name] = reason
-            else:
-                self.ops[name] = (ops, get_backend(name))
-        self._oracle = {}
+        self._cached = {}
 
-    def oracle(self, case, decode: bool):
-        from tests.oracle import oracle_and_base
-        from tests.strategies import build_inputs
-
-        key = (case, decode)
-        if key not in self._oracle:
-            self._oracle.clear()  # one case at a time: GPU-sized oracles are large
+    def oracle(self, case):
+        """(inputs, ((ref_out, ref_lse), (base_out, base_lse))) of an attention case."""
+        if case not in self._cached:
+            self._cached.clear()  # one case at a time: GPU-sized oracles are large
             inputs = build_inputs(case, self.device)
-            self._oracle[key] = (inputs, oracle_and_base(inputs))
-        return self._oracle[key]
+            self._cached[case] = (inputs, oracle_and_base(inputs))
+        return self._cached[case]
 
-    def attention(self, name: str, case, decode: bool) -> dict:
-        """Measures one backend on one case: {"out": ..., "lse": ...} or {"error": ...}."""
-        ops, backend = self.ops[name]
-        if case.dtype not in backend.dtypes_on(self.device):
-            return {"error": "n/a: dtype not checked on this device"}
-        if case.layout.kind not in backend.layout_kinds:
-            return {"error": "n/a: layout not supported"}
-        fn = ops.paged_decode if decode else ops.paged_prefill
-        if fn is None:
-            return {"error": "n/a: no such operator"}
-        inputs, ((ref_out, ref_lse), (base_out, base_lse)) = self.oracle(case, decode)
-        args = [inputs[k] for k in ("q", "k_cache", "v_cache", "block_tables", "seq_lens")]
-        if not decode:
-            args.append(inputs["query_start_loc"])
-        try:
-            result = fn(*args, scale=inputs["scale"], layout=inputs["layout"], return_lse=backend.has_lse)
-        except Exception as exc:  # noqa: BLE001  (a crash is a finding, reported in the table)
-            return {"error": f"{type(exc).__name__}: {str(exc)[:120]}"}
-        out, lse = result if backend.has_lse else (result, None)
-        dtype = inputs["q"].dtype
-        row = {"out": measure(out, ref_out, base_out, dtype)}
-        if lse is not None:
-            row["lse"] = measure(lse, ref_lse, base_lse, dtype)
-        return row
+    def attention(self, impl, case, decode: bool) -> dict:
+        """One attention case on one implementation: status, message, and columns where judged."""
+        op = "paged_decode" if decode else "paged_prefill"
+        if not impl.provides(op):
+            return {"status": NOT_PROVIDED, "message": f"{impl.name} provides no {op}"}
+        inputs, oracle = self.oracle(case)
+        v = judge_attention(impl, case, decode=decode, device=self.device, inputs=inputs, oracle=oracle)
+        result = {"status": v.status, "message": v.message}
+        if "out" in v.stats and v.outputs is not None:
+            (ref_out, ref_lse), _ = oracle
+            out, lse = v.outputs
+            result["out"] = columns(v.stats["out"], out, ref_out)
+            if "lse" in v.stats:
+                result["lse"] = columns(v.stats["lse"], lse, ref_lse)
+        return result
 
-    def write_kv(self, name: str, case) -> dict:
-        import reference
-        from fuzz.targets import bits, write_kv_inputs
+    def write_kv(self, impl, case) -> dict:
+        """One cache write on one implementation; its output is structural, so exact or wrong."""
+        if not impl.provides("write_kv"):
+            return {"status": NOT_PROVIDED, "message": f"{impl.name} provides no write_kv"}
+        v = judge_write_kv(impl, write_kv_inputs(case, self.device), case)
+        result = {"status": v.status, "message": v.message}
+        if "numel" in v.stats:
+            wrong = sum(v.stats["mismatched_elements"].values())
+            worst = 0.0 if v.status == "passed" else math.inf
+            result["out"] = dict(
+                max_err=None,
+                mean_err=None,
+                max_to_base=None,
+                mean_to_base=None,
+                gate=worst,
+                max_ulp=None,
+                over=wrong,
+                numel=2 * v.stats["numel"],  # k_cache and v_cache
+                nan=None,
+                inf=None,
+            )
+        return result
 
-        ops, backend = self.ops[name]
-        if ops.write_kv is None:
-            return {"error": "n/a: no such operator"}
-        if case.dtype not in backend.dtypes_on(self.device):
-            return {"error": "n/a: dtype not checked on this device"}
-        x = write_kv_inputs(case, self.device)
-        want = [x["k_cache"].clone(), x["v_cache"].clone()]
-        got = [x["k_cache"].clone(), x["v_cache"].clone()]
-        reference.write_kv(x["k"], x["v"], *want, x["slot_mapping"])
-        try:
-            ops.write_kv(x["k"], x["v"], *got, x["slot_mapping"])
-        except Exception as exc:  # noqa: BLE001
-            return {"error": f"{type(exc).__name__}: {str(exc)[:120]}"}
-        pairs = list(zip(got, want, strict=True))
-        wrong = sum(int((bits(g) != bits(w)).sum()) for g, w in pairs)
-        err = max(float(torch.nan_to_num((g.double() - w.double()).abs(), nan=0.0).max()) for g, w in pairs)
-        # Structural output: exact or wrong, so the error ratios are 0 or infinite.
-        worst = math.inf if wrong else 0.0
-        stats = dict(max_err=err, mean_err=0.0, max_to_base=worst, mean_to_base=worst, gate=worst)
-        stats |= dict(
-            passed=not wrong, max_ulp=None, over=wrong, numel=sum(w.numel() for w in want), nan=0, inf=0
-        )
-        return {"out": stats}
+
+def _worst(values):
+    values = [v for v in values if v is not None]
+    return max(values) if values else None
 
 
 def aggregate(measures: list[dict]) -> dict:
-    """One table row from per-case measures: worst case for max-type columns, sums for counts."""
-    rows = [m["out"] for m in measures if "out" in m]
-    errors = [m["error"] for m in measures if "error" in m]
-    if not rows:
-        return {"error": errors[0] if errors else "not run"}
-    numel = sum(r["numel"] for r in rows)
-    agg = dict(
-        cases=len(rows),
-        max_err=max(r["max_err"] for r in rows),
-        mean_err=sum(r["mean_err"] * r["numel"] for r in rows) / max(numel, 1),
-        max_to_base=max(r["max_to_base"] for r in rows),
-        mean_to_base=max(r["mean_to_base"] for r in rows),
-        gate=max(r["gate"] for r in rows),
-        max_ulp=max((r["max_ulp"] for r in rows if r["max_ulp"] is not None), default=None),
-        over_share=sum(r["over"] for r in rows) / max(numel, 1),
-        nan=sum(r["nan"] for r in rows),
-        inf=sum(r["inf"] for r in rows),
-        passed=all(r["passed"] for r in rows) and not errors,
+    """One table row from per-case measures: the row's status and case counts, the worst case for
+    ratio-type columns, the element-weighted mean error, and sums for counts."""
+    counts = Counter(m["status"] for m in measures)
+    if counts["failed"]:
+        status = "failed"
+    elif counts["passed"]:
+        status = "passed"
+    elif counts["unsupported"]:
+        status = "unsupported"
+    else:
+        status = NOT_PROVIDED
+    row = dict(
+        status=status,
+        cases=len(measures),
+        passed=counts["passed"],
+        failed=counts["failed"],
+        unsupported=counts["unsupported"],
+        failures=sorted({m["message"] for m in measures if m["status"] == "failed"}),
+        refusals=sorted({m["message"] for m in measures if m["status"] in ("unsupported", NOT_PROVIDED)}),
     )
-    lse = [m["lse"] for m in measures if "lse" in m]
-    if lse:
-        agg["lse_gate"] = max(r["gate"] for r in lse)
-        agg["lse_max_err"] = max(r["max_err"] for r in lse)
-        agg["passed"] = agg["passed"] and all(r["passed"] for r in lse)
-    if errors:
-        agg["error"] = errors[0]
-    return agg
+    outs = [m["out"] for m in measures if "out" in m]
+    if outs:
+        numel = sum(o["numel"] for o in outs)
+        means = [o["mean_err"] * o["numel"] for o in outs if o["mean_err"] is not None]
+        row |= dict(
+            max_err=_worst(o["max_err"] for o in outs),
+            mean_err=sum(means) / max(numel, 1) if means else None,
+            max_to_base=_worst(o["max_to_base"] for o in outs),
+            mean_to_base=_worst(o["mean_to_base"] for o in outs),
+            gate=_worst(o["gate"] for o in outs),
+            max_ulp=_worst(o["max_ulp"] for o in outs),
+            over_share=sum(o["over"] for o in outs) / max(numel, 1),
+            nan=None if outs[0]["nan"] is None else sum(o["nan"] for o in outs),
+            inf=None if outs[0]["inf"] is None else sum(o["inf"] for o in outs),
+        )
+    lses = [m["lse"] for m in measures if "lse" in m]
+    if lses:
+        row["lse_gate"] = _worst(o["gate"] for o in lses)
+        row["lse_max_err"] = _worst(o["max_err"] for o in lses)
+    return row

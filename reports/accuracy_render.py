@@ -1,46 +1,52 @@
-"""Rendering of the accuracy report (reports/accuracy.py): the markdown page and its PNG curves."""
+"""The markdown page of the accuracy report (reports/accuracy.py); the PNG curves are reports/plots.py's.
+
+Section numbers (contract §5) are those of docs/contract.md, the suite's own statement of what it checks.
+"""
 
 import math
-import pathlib
-import platform
+from collections import Counter
 
-import torch
+from harness.cases import DTYPES, PADDING_SLOT_SHARE
+from harness.tolerance import FLOOR_ABS, TOLERANCE
+from reports.accuracy_measure import NOT_PROVIDED, ULP_MAGNITUDE_CUTOFF
+from reports.plots import plot_title
+
+MESSAGE_CHARS = 400  # failure messages are cut here; the JSON twin keeps them whole
+COLUMNS = (
+    "operator | layout | dtype | verdict | cases judged | max abs err | mean abs err | max / base "
+    "| mean / base | gate (<=1) | lse gate | max ULP | over tol | NaN/Inf"
+)
+FLEX_NOTE = (
+    "**FlexAttention on CUDA, torch 2.11.** torch 2.11's FlexAttention had a bug on CUDA: its internal "
+    "compile reused a cached graph whose mask function took an integer default argument, so an old "
+    "block count stayed baked in and later calls at other lengths went wrong "
+    "([pytorch issue 178365](https://github.com/pytorch/pytorch/issues/178365)). A fresh process "
+    "passed at 4096 tokens, and the order of calls decided which lengths failed. The suite's flex adapter "
+    "(`harness/comparison.py`) writes its mask functions without default arguments (they capture their "
+    "values in closures), so it is not hit; `tests/harness/test_comparison.py` fails if the pattern comes "
+    "back. If you call FlexAttention yourself on torch 2.11, do not give a `mask_mod` default arguments."
+)
 
 
-def plot_title(file_name: str) -> str:
-    """ "seq_len-dense.png" -> "Error against sequence length, dense layout"."""
-    sweep, family = file_name.removesuffix(".png").split("-", 1)
-    return f"Error against {CURVE_NAMES[sweep]}, {family} layout"
+def cell(row: dict) -> str:
+    """A row's verdict in one cell: pass, **FAIL**, unsupported, or "-" (operator not provided)."""
+    status, judged = row["status"], row["passed"] + row["failed"]
+    if status == NOT_PROVIDED:
+        return "-"
+    if status == "unsupported":
+        return "unsupported"
+    if status == "failed":
+        text = f"**FAIL** ({row['failed']} of {judged})" if judged > 1 else "**FAIL**"
+    else:
+        text = "pass"
+    return text + (f", {row['unsupported']} unsupported" if row["unsupported"] else "")
 
 
-CURVE_NAMES = {"seq_len": "sequence length", "sparsity": "sparsity", "prefix_share": "cached-prefix share"}
-CURVE_TITLES = {
-    "seq_len": ("sequence length (tokens, no cached prefix)", True),
-    "sparsity": ("share of causal blocks kept (random block mask)", False),
-    "prefix_share": ("cached-prefix share of the sequence (context / length)", False),
-}
-
-
-def plot_curves(curve_data: dict, folder: pathlib.Path, p, where: str, footnote: str) -> list[str]:
-    from reports.plots import error_curves
-
-    files = []
-    for sweep, series in curve_data.items():
-        for family, entry in series.items():
-            name = f"{sweep}-{family}.png"
-            xlabel, logx = CURVE_TITLES[sweep]
-            error_curves(
-                folder / name,
-                title=f"paged_prefill, {family} layout, {p.curve_dtype}, on {where}",
-                xlabel=xlabel,
-                xs=entry["x"],
-                series=entry["backends"],
-                base=entry["base"],
-                footnote=footnote,
-                logx=logx,
-            )
-            files.append(name)
-    return files
+def implementation_verdict(rows: list[dict]) -> dict:
+    """One implementation's verdict over its rows: FAIL if any case failed, pass if any passed."""
+    counts = {k: sum(r[k] for r in rows) for k in ("passed", "failed", "unsupported")}
+    verdict = "**FAIL**" if counts["failed"] else "pass" if counts["passed"] else "unsupported"
+    return counts | {"verdict": verdict}
 
 
 def _fmt(x, digits=3) -> str:
@@ -53,118 +59,196 @@ def _fmt(x, digits=3) -> str:
     return str(x)
 
 
-def verdict(row: dict) -> str:
-    if "cases" not in row:
-        return row["error"]
-    return "pass" if row["passed"] else "**FAIL**"
-
-
-COLUMNS = (
-    "operator | layout | dtype | backend | verdict | max abs err | mean abs err | max / base | mean / base "
-    "| gate (<=1) | lse gate | max ULP | over tol | NaN/Inf"
-)
-
-
 def table(rows: list[dict]) -> list[str]:
+    """The columns of one implementation's judged rows, as markdown table lines."""
     lines = [f"| {COLUMNS} |", "|" + "---|" * (COLUMNS.count("|") + 1)]
     for r in rows:
-        head = f"| {r['operator']} | {r['layout']} | {r['dtype']} | {r['backend']} | {verdict(r)} |"
-        if "cases" not in r:
-            lines.append(head + " - |" * 9)
-            continue
+        nan_inf = "-" if r.get("nan") is None else f"{r['nan']}/{r['inf']}"
         cells = [
-            r["max_err"],
-            r["mean_err"],
-            r["max_to_base"],
-            r["mean_to_base"],
-            r["gate"],
-            r.get("lse_gate"),
+            r["operator"],
+            r["layout"],
+            r["dtype"],
+            cell(r),
+            str(r["passed"] + r["failed"]),
+            *(_fmt(r.get(k)) for k in ("max_err", "mean_err", "max_to_base", "mean_to_base", "gate")),
+            _fmt(r.get("lse_gate")),
+            _fmt(r.get("max_ulp")),
+            f"{r['over_share']:.2%}" if "over_share" in r else "-",
+            nan_inf,
         ]
-        cells = [_fmt(c) for c in cells] + [
-            _fmt(r["max_ulp"]),
-            f"{r['over_share']:.2%}",
-            f"{r['nan']}/{r['inf']}",
-        ]
-        lines.append(head + "".join(f" {c} |" for c in cells))
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
-def device_name(device: str) -> str:
-    if device == "cuda":
-        return torch.cuda.get_device_name()
-    return f"CPU ({platform.processor() or platform.machine()}), Triton interpreter (TRITON_INTERPRET=1)"
+def _declares(caps: dict) -> str:
+    parts = [f"dtypes {', '.join(caps['dtypes'])}", f"layouts {', '.join(caps['layouts'])}"]
+    parts += [f"{k} {'yes' if caps[k] else 'no'}" for k in ("lse", "context")]
+    parts += [
+        f"{k} {', '.join(map(str, v))}" for k in ("block_sizes", "page_sizes", "head_dims") if (v := caps[k])
+    ]
+    return "; ".join(parts)
 
 
-def versions() -> dict:
-    from fuzz.case_file import versions as v
+def _cut(message: str) -> str:
+    message = " ".join(message.split())
+    return message if len(message) <= MESSAGE_CHARS else message[: MESSAGE_CHARS - 3] + "..."
 
-    return v()
+
+def _in_cell(text: str) -> str:
+    # A "|" inside a table cell would end the cell.
+    return _cut(text).replace("|", "\\|")
 
 
-def markdown(meta: dict, rows: list[dict], plots: list[str], p) -> str:
-    shown = [r for r in rows if not r.get("error", "").startswith("n/a")]
-    kernel = [r for r in shown if r["backend"] == "triton"]
-    other = [r for r in shown if r["backend"] != "triton"]
-    fails = [r for r in kernel if not r.get("passed")]
-    other_fails = [r for r in other if not r.get("passed")]
+def _row_name(r: dict) -> str:
+    return f"{r['operator']} / {r['layout']} / {r['dtype']}"
+
+
+def verdict_section(implementations: list[dict], by_impl: dict) -> list[str]:
+    """One verdict per implementation, unavailable ones with the reason."""
+    lines = [
+        "| implementation | verdict | cases passed | cases failed | cases unsupported | what it is |",
+        "|---|---|---|---|---|---|",
+    ]
+    for info in implementations:
+        name = info["name"]
+        if not info["available"]:
+            lines.append(
+                f"| `{name}` | unavailable | - | - | - | could not be loaded: {_in_cell(info['reason'])} |"
+            )
+            continue
+        v = implementation_verdict(by_impl[name])
+        what = _in_cell(info["description"] or "(no description)")
+        lines.append(
+            f"| `{name}` | {v['verdict']} | {v['passed']} | {v['failed']} | {v['unsupported']} | {what} |"
+        )
+    return lines
+
+
+def matrix(names: list[str], rows: list[dict]) -> list[str]:
+    """The conformance matrix: (operator, layout, dtype) down, implementations across."""
+    lines = ["| operator | layout | dtype | " + " | ".join(f"`{n}`" for n in names) + " |"]
+    lines.append("|" + "---|" * (3 + len(names)))
+    cells = {(r["operator"], r["layout"], r["dtype"], r["implementation"]): r for r in rows}
+    for key in dict.fromkeys((r["operator"], r["layout"], r["dtype"]) for r in rows):
+        lines.append("| " + " | ".join([*key, *(cell(cells[(*key, n)]) for n in names)]) + " |")
+    return lines
+
+
+def implementation_section(info: dict, rows: list[dict]) -> list[str]:
+    """One implementation's declarations, its table of judged rows, its failures and its refusals."""
+    judged = [r for r in rows if r["passed"] + r["failed"]]
+    what = (info["description"] or "(no description)").rstrip(".")
+    what = what[0].upper() + what[1:]
+    lines = [f"## `{info['name']}`", "", f"{what}. Declares {_declares(info['capabilities'])} (contract §9)."]
+    lines += ["", *(table(judged) if judged else ["No case was judged: every cell is unsupported or -."])]
+    failures = [(r, m) for r in rows for m in r["failures"]]
+    if failures:
+        lines += [
+            "",
+            f"Failures, one line per distinct message (cut at {MESSAGE_CHARS} characters; whole in "
+            "`accuracy.json`):",
+            "",
+        ]
+        lines += [f"- {_row_name(r)}: {_cut(m)}" for r, m in failures]
+    refusals = Counter(m for r in rows for m in r["refusals"])
+    if refusals:
+        lines += ["", "Not judged (unsupported, or `-` where the operator is not provided), by reason:", ""]
+        lines += [f"- {_cut(m)}: {n} row(s)" for m, n in refusals.items()]
+    return [*lines, ""]
+
+
+def _factors() -> str:
+    factors = set(TOLERANCE.values())
+    if len(factors) == 1:
+        max_f, mean_f = factors.pop()
+        return (
+            f"max err <= {max_f:g} x base max err + floor and mean err <= {mean_f:g} x base mean err + floor"
+        )
+    per = ", ".join(f"{d}: {TOLERANCE[t][0]:g} / {TOLERANCE[t][1]:g}" for d, t in DTYPES.items())
+    return f"max err <= a x base max err + floor and mean err <= b x base mean err + floor ({per}: a / b)"
+
+
+def markdown(meta: dict, implementations: list[dict], rows: list[dict], plots: list[str], p) -> str:
+    """The report's markdown page."""
+    names = [i["name"] for i in implementations if i["available"]]
+    by_impl = {n: [r for r in rows if r["implementation"] == n] for n in names}
     v = meta["versions"]
     lines = [
         f"# Accuracy report: {meta['device_name']}",
         "",
         f"Every number and figure here comes from **{meta['device_name']}**; torch {v['torch']}, triton "
-        f"{v['triton']}, Python {v['python']}; generated {meta['generated']} in {meta['elapsed_s']:.0f} s by "
-        f"`{meta['command']}`. JSON twin: `accuracy.json`.",
+        f"{v['triton']}, Python {v['python']}; profile `{meta['profile']}`; generated {meta['generated']} in "
+        f"{meta['elapsed_s']:.0f} s by `{meta['command']}`. JSON twin: `accuracy.json`. Section numbers "
+        "(contract §5 and so on) refer to `docs/contract.md`.",
         "",
-        f"**Verdict: {len(kernel) - len(fails)} of {len(kernel)} Triton kernel rows pass SPEC section 5's "
-        "rule**"
-        + (f" (failing or crashing: {', '.join(_row_name(r) for r in fails)})" if fails else "")
-        + f"; comparison backends: {len(other) - len(other_fails)} of {len(other)} rows pass."
-        + (f" Unavailable backends: {meta['unavailable']}." if meta["unavailable"] else ""),
+        "## Verdicts",
         "",
-        "How to read it: `ref` is the float64 oracle, `base` the same oracle computed in the input dtype. "
-        "*max / base* and *mean / base* are max|out-ref| / max|base-ref| and the same for the means; a row "
-        "passes when max err <= 2 x base max err + floor and mean err <= 1.5 x base mean err + floor, i.e. "
-        "*gate* <= 1 (worst case of the row; *lse gate* is the same test on the log-sum-exp). *max ULP*: "
-        "distance to the oracle rounded to the output dtype, where |ref| >= 2^-10 max|ref|. *over tol*: "
-        "share of elements over the allowed max. Each row aggregates 3 batches (worst case for ratios, "
-        "element-weighted mean error).",
+        "One verdict per implementation: **FAIL** when any case fails contract §5's tolerance rule or "
+        "crashes, pass otherwise. A case outside an implementation's declared capabilities, or one it "
+        "refuses with `NotImplementedError` (contract §9), is *unsupported*: counted apart, never a failure.",
         "",
-        "## Summary: Triton kernels",
+        *verdict_section(implementations, by_impl),
         "",
-        *table(kernel),
+        "## Conformance matrix",
         "",
-        "## Comparison backends (the same columns)",
+        f"Each cell covers {len(p.batches)} batches (see Cases): pass, **FAIL** (with how many of the judged "
+        "cases failed), unsupported, or `-` where the implementation does not provide the operator.",
         "",
-        "`sdpa`: torch scaled_dot_product_attention over gathered K/V, dense only, no lse. `flex`: "
-        "FlexAttention, eager (uncompiled), with a mask_mod reproducing each layout.",
+        *(matrix(names, rows) if names else ["No implementation could be loaded."]),
         "",
-        *table(other),
+        *(
+            ["On the CPU, `triton`'s bfloat16 cells are unsupported by its own declaration (see Notes).", ""]
+            if meta["device"] == "cpu" and "triton" in names
+            else []
+        ),
+        "How to read the tables below: `ref` is the float64 oracle, `base` the same oracle computed in the "
+        "input dtype. *max / base* and *mean / base* are max|out-ref| / max|base-ref| and the same for the "
+        f"means. A case passes when {_factors()} (floor: twice the float32 rounding step at the output's "
+        f"magnitude plus {FLOOR_ABS:g}), i.e. *gate* <= 1, and when no NaN or Inf appears where the oracle "
+        "is finite (contract §5); the table shows the worst case of the row, and *lse gate* is the same test "
+        "on the log-sum-exp. *max ULP*: distance to the oracle rounded to the output dtype, where |ref| >= "
+        f"2^{math.log2(ULP_MAGNITUDE_CUTOFF):g} max|ref|. *over tol*: share of elements over the allowed max "
+        "(for write_kv: cache elements that differ from the oracle's write). *mean abs err* is "
+        "element-weighted over the row's cases. Rows with no judged case appear only in the matrix.",
         "",
+    ]
+    info = {i["name"]: i for i in implementations}
+    for name in names:
+        lines += implementation_section(info[name], by_impl[name])
+    lines += [
         "## Error curves (paged_prefill)",
         "",
-        "Left: max |out - ref| per backend, with the same-dtype oracle dashed; right: its ratio to that "
-        "oracle (SPEC section 5 allows 2x). Points at 0 error are not drawn on the log axes (see the JSON).",
+        "Left: max |out - ref| per implementation, with the same-dtype oracle dashed; right: its ratio to "
+        f"that oracle (contract §5 allows {TOLERANCE[DTYPES[p.curve_dtype]][0]:g}x). Points at 0 error, and "
+        "cases not judged, are not drawn on the log axes (see the JSON).",
         "",
         *[line for name in plots for line in (f"### {plot_title(name)}", "", f"![{name}]({name})", "")],
-        "",
         "## Cases",
         "",
         f"Heads {p.num_heads} (KV heads {p.num_kv_heads}), head_dim {p.head_dim}, page size {p.page_size}, "
-        f"sparse block {p.block_size}; local_strided: {p.local_blocks} local blocks, vertical stride "
+        f"sparse block {p.block_size}; local_strided: local_blocks {p.local_blocks}, vert_stride "
         f"{p.vert_stride}, per-head columns; block_mask: random, density {p.block_mask_density}. Batches "
-        f"(sequence lengths / cached contexts): "
+        "(sequence lengths / cached contexts): "
         + "; ".join(f"{lens} / {ctx}" for lens, ctx in p.batches)
-        + ". paged_decode uses the same sequences with one query each. Inputs: randn, scale 1, "
-        "pages scattered over the cache, unused slots NaN.",
+        + ". paged_decode uses the same sequences with one query each. write_kv writes new K/V for the "
+        f"query tokens of the same batches, {PADDING_SLOT_SHARE:.1%} of them with slot -1, and is compared "
+        "bit for bit with the oracle's write. Inputs: randn, scale 1, pages scattered over the cache, unused "
+        "slots NaN, block-table padding out of range.",
+        "",
+        *_notes(meta, names),
     ]
-    if meta["device"] == "cpu":
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _notes(meta: dict, names: list[str]) -> list[str]:
+    lines = ["## Notes", ""]
+    if meta["device"] == "cpu" and "triton" in names:
         lines += [
-            "",
-            "bfloat16 Triton rows are not run on the CPU: Triton's interpreter computes bfloat16 on raw bits "
-            "(TRITON-CPU.md); the GPU report has them.",
+            "- **bfloat16 on the CPU.** Triton's interpreter computes bfloat16 on raw bits "
+            "(`docs/triton-interpreter.md`), so under `TRITON_INTERPRET=1` the `triton` implementation "
+            "declares only float32 and float16 and its bfloat16 cells read unsupported here (contract §5). "
+            "bfloat16 is checked on the GPU (`reports/gpu/`).",
         ]
-    return "\n".join(lines) + "\n"
-
-
-def _row_name(r: dict) -> str:
-    return f"{r['operator']}/{r['layout']}/{r['dtype']}"
+    if "flex" in meta["requested"]:
+        lines += [f"- {FLEX_NOTE}"]
+    return lines + [""] if len(lines) > 2 else []

@@ -1,10 +1,14 @@
-"""Kernel benchmark (GPU only): sparse prefill vs SDPA and FlexAttention, prefix-cached prefill, decode.
+"""Kernel benchmark (GPU only): prefill against vLLM's numbers, Flex and SDPA; prefix-cached prefill;
+decode against the copy ceiling; an A/B with the previous commit's kernels. One run, one process.
 
-Called by `python3 -m reports.bench --only kernels` (nox -s bench). Phi-3-small shapes: 32 query
-heads, 8 KV heads, head_dim 128, sparse block 64, local 16, vertical stride 8, bfloat16, batch 1,
-pages of 16 tokens. Times are medians of triton.testing.do_bench (warm-up, L2 flushed between runs);
-effective TFLOP/s counts 4 * head_dim FLOPs per attended (query, key) pair only. Writes
-kernels-bench.md and kernels-bench.json under the output folder.
+`python3 -m reports.bench --only kernels [--previous .ab]` writes kernels-bench.md and .json under the
+output folder. Phi-3-small shapes: 32 query heads, 8 KV heads, head_dim 128, sparse block 64, local
+16, vertical stride 8, per-head columns, bfloat16, batch 1, pages of 16 tokens through a shuffled
+block table. Times are medians of triton.testing.do_bench (warm-up, L2 flushed). "planned" times
+`plan.run` with the metadata planned outside the timed region (as vLLM's launcher precomputes its
+layout); "op" times the public operator, validation and planning included. Effective TFLOP/s count
+4 * head_dim FLOPs per attended (query, key) pair only. The vLLM column quotes the issue's run (its
+original block-sparse Triton prefill, contiguous K/V, same GPU): it is not re-measured here.
 """
 
 import importlib
@@ -16,92 +20,131 @@ import torch
 import torch.nn.functional as F
 import triton
 
-import kernels as tri
+import kernels
 import reference as ref
+from reference.validation import validate_paged_decode, validate_paged_prefill
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 SPARSE_BLOCK, LOCAL_BLOCKS, VERT_STRIDE = 64, 16, 8
 PAGE_SIZE = 16
 DTYPE = torch.bfloat16
 SCALE = 1.0 / 128
-LENGTHS = (8192, 32768)
-CACHED_FRACTIONS = (0.25, 0.5, 0.75, 0.9)
-DECODE_BATCH, DECODE_CONTEXT = 64, 8192
-WARMUP_MS, REP_MS = 100, 500
-COPY_BYTES = 2 * 2**30
-FLEX_BLOCKS = ((64, 64), (128, 64))
-MS_PER_S_TO_GB = 1e6  # bytes per millisecond -> GB/s
+WARMUP_MS, REP_MS = 25, 150
 FLOPS_PER_PAIR_PER_DIM = 4  # q.k and p.v: 2 multiply-adds per dimension
+MS_TO_GBPS = 1e6  # bytes per millisecond -> GB/s
+COPY_BYTES = 2 * 2**30
+MATMUL_N = 8192
+# (tokens, queries) of the issue's table, with vLLM's times there (ms) and the speed targets.
+ROWS = (
+    (8192, 8192),
+    (8192, 2048),
+    (8192, 832),
+    (32768, 32768),
+    (32768, 8192),
+    (131072, 131072),
+    (131072, 13120),
+)
+VLLM_MS = {
+    (8192, 8192): 0.505,
+    (8192, 2048): 0.174,
+    (8192, 832): 0.093,
+    (32768, 32768): 4.056,
+    (32768, 8192): 1.565,
+    (131072, 131072): 48.62,
+    (131072, 13120): 8.90,
+}
+TARGET_VS_VLLM = 0.8  # at most 0.8x vLLM's time
+FLEX_PROXY = {8192: 1.35, 32768: 1.35, 131072: 1.27}  # at least this speed-up over the best Flex
+FLEX_BLOCKS = {8192: ((64, 64), (128, 64)), 32768: ((64, 64), (128, 64)), 131072: ((128, 64),)}
+OP_OVERHEAD_TARGET = 1.10  # the op at most 1.10x the planned time (8k full prefill)
+PREFIX_GAP_TARGET = 0.03  # t(queries) / t(full) within +0.03 of the ideal work ratio
+DECODE_BATCH, DECODE_CONTEXTS = 64, (8192, 32768)
+DECODE_TARGET = 0.75  # of the copy ceiling, in K/V bytes the step must read
 
 
-def _bench(fn) -> float:
+def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
 
 
-def _layout():
+def phi3_layout():
     return ref.LocalStridedLayout(SPARSE_BLOCK, LOCAL_BLOCKS, VERT_STRIDE, num_heads_total=HEADS)
 
 
-def _pairs_per_query_block(n: int) -> torch.Tensor:
+def block_pairs(n: int, layout) -> torch.Tensor:
     """Attended (q, k) pairs of each query block, summed over heads: [n // S] (n a multiple of S)."""
     nb = n // SPARSE_BLOCK
-    mask = _layout().block_mask(HEADS, nb).to(torch.int64)
+    mask = (
+        layout.block_mask(HEADS, nb) if layout else ref.causal_block_mask(nb).expand(HEADS, -1, -1)
+    ).long()
     diag = torch.eye(nb, dtype=torch.int64)
     per_block = SPARSE_BLOCK * SPARSE_BLOCK * (1 - diag) + SPARSE_BLOCK * (SPARSE_BLOCK + 1) // 2 * diag
     return (mask * per_block).sum(dim=(0, 2))
 
 
-def _paged(n: int, batch: int, device, gen):
-    """A scattered paged cache holding `batch` sequences of n tokens, and their block tables."""
+def paged(n: int, batch: int, gen):
+    """A cache holding `batch` sequences of n tokens in shuffled pages, and their block tables."""
     pages = n // PAGE_SIZE
-    order = torch.randperm(pages * batch, generator=gen).to(device)
-    shape = (pages * batch, PAGE_SIZE, KV_HEADS, HEAD_DIM)
-    k_cache = torch.randn(shape, device=device, dtype=DTYPE)
-    v_cache = torch.randn(shape, device=device, dtype=DTYPE)
-    tables = order.view(batch, pages).to(torch.int32)
-    return k_cache, v_cache, tables
+    order = torch.randperm(pages * batch, generator=gen).cuda()
+    k_cache = torch.randn(pages * batch, PAGE_SIZE, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    return k_cache, torch.randn_like(k_cache), order.view(batch, pages).to(torch.int32)
 
 
-def _contiguous_kv(cache, table_row, n):
-    return cache[table_row.long()].reshape(-1, KV_HEADS, HEAD_DIM)[:n]
+class Prefill:
+    """One prefill problem (n tokens, the last `queries` of them queries) and its timings."""
+
+    def __init__(self, n: int, queries: int, layout, gen):
+        self.n, self.queries, self.layout = n, queries, layout
+        self.k, self.v, self.tables = paged(n, 1, gen)
+        self.q = torch.randn(queries, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+        self.seq_lens = torch.tensor([n], dtype=torch.int32, device="cuda")
+        self.qsl = torch.tensor([0, queries], dtype=torch.int32, device="cuda")
+        pairs = block_pairs(n, layout)
+        self.pairs = int(pairs[(n - queries) // SPARSE_BLOCK :].sum())
+        self.work_share = self.pairs / float(pairs.sum())
+
+    def args(self):
+        return self.q, self.k, self.v, self.tables, self.seq_lens, self.qsl
+
+    def planned(self) -> float:
+        plan = kernels.plan_prefill(*self.args(), scale=SCALE, layout=self.layout)
+        return bench(lambda: plan.run(self.q, self.k, self.v))
+
+    def op(self) -> float:
+        return bench(lambda: kernels.paged_prefill(*self.args(), scale=SCALE, layout=self.layout))
+
+    def previous(self) -> float:
+        module = importlib.import_module("kernels_prev.paged_prefill")
+        batch = validate_paged_prefill(*self.args(), scale=SCALE, layout=self.layout)
+        return bench(lambda: module._launch(batch, *self.args(), self.layout))
+
+    def contiguous(self):
+        """q, k, v as [1, heads, tokens, head_dim], K/V gathered through the block table."""
+        k, v = (c[self.tables[0].long()].reshape(-1, KV_HEADS, HEAD_DIM) for c in (self.k, self.v))
+        return (t.transpose(0, 1)[None].contiguous() for t in (self.q, k, v))
+
+    def tflops(self, ms: float) -> float:
+        return FLOPS_PER_PAIR_PER_DIM * HEAD_DIM * self.pairs / ms / 1e9
 
 
-def _prefill_launch_only(q, k_cache, v_cache, tables, seq_lens, qsl, layout):
-    """The launch alone: validation (which syncs with the host) done once, outside the timed region."""
-    module = importlib.import_module("kernels.paged_prefill")
-    from reference.validation import validate_paged_prefill
-
-    batch = validate_paged_prefill(q, k_cache, v_cache, tables, seq_lens, qsl, scale=SCALE, layout=layout)
-    return lambda: module._launch(batch, q, k_cache, v_cache, tables, seq_lens, qsl, layout)
-
-
-def _decode_launch_only(q, k_cache, v_cache, tables, seq_lens, layout):
-    module = importlib.import_module("kernels.paged_decode")
-    from reference.validation import validate_paged_decode
-
-    batch = validate_paged_decode(q, k_cache, v_cache, tables, seq_lens, scale=SCALE, layout=layout)
-    return lambda: module._launch(batch, q, k_cache, v_cache, tables, seq_lens, layout)
-
-
-def _flex_block_mask(n: int, block_q: int, block_kv: int, device):
+def flex_block_mask(n: int, block_q: int, block_kv: int):
+    """Flex's BlockMask of the Phi-3 layout over n tokens (full prefill), full and partial blocks apart."""
     from torch.nn.attention.flex_attention import BlockMask
 
     nb = n // SPARSE_BLOCK
-    mask = _layout().block_mask(HEADS, nb).to(device)  # [H, NB, NB]
+    mask = phi3_layout().block_mask(HEADS, nb).cuda()  # [H, NB, NB]
     rq, rk = block_q // SPARSE_BLOCK, block_kv // SPARSE_BLOCK
     grid = mask.view(HEADS, nb // rq, rq, nb // rk, rk)
-    any_ = grid.any(4).any(2)
-    all_ = grid.all(4).all(2)
-    qi = torch.arange(nb // rq, device=device).view(-1, 1)
-    ki = torch.arange(nb // rk, device=device).view(1, -1)
-    causal_full = (ki + 1) * block_kv <= qi * block_q + 1
-    full = all_ & causal_full
+    any_, all_ = grid.any(4).any(2), grid.all(4).all(2)
+    qi = torch.arange(nb // rq, device="cuda").view(-1, 1)
+    ki = torch.arange(nb // rk, device="cuda").view(1, -1)
+    # A key tile is causally full for a query tile when its last key precedes the tile's first query.
+    full = all_ & ((ki + 1) * block_kv <= qi * block_q + 1)
     partial = any_ & ~full
 
     def compact(m):
         counts = m.sum(-1, dtype=torch.int32)
-        idx = torch.sort((~m).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
-        return counts[None].contiguous(), idx[None].contiguous()
+        order = torch.sort((~m).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
+        return counts[None].contiguous(), order[None].contiguous()
 
     step = max(1, VERT_STRIDE // HEADS)
 
@@ -109,269 +152,369 @@ def _flex_block_mask(n: int, block_q: int, block_kv: int, device):
         qb, kb = q_idx // SPARSE_BLOCK, kv_idx // SPARSE_BLOCK
         return (kv_idx <= q_idx) & (((qb - kb) < LOCAL_BLOCKS) | ((kb + h * step + 1) % VERT_STRIDE == 0))
 
-    kv_num, kv_idx = compact(partial)
-    full_num, full_idx = compact(full)
     return BlockMask.from_kv_blocks(
-        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(block_q, block_kv), mask_mod=mask_mod
+        *compact(partial), *compact(full), BLOCK_SIZE=(block_q, block_kv), mask_mod=mask_mod
     )
 
 
-def _prefill_at(n: int, flex, device, gen) -> list[dict]:
+def time_flex(flex, p: Prefill, block_q: int, block_kv: int, ours: torch.Tensor) -> dict:
+    """Compiled FlexAttention on p's contiguous K/V with the given block sizes: ms and max |diff| to ours."""
+    name = f"flex_{block_q}x{block_kv}"
+    try:
+        qh, kh, vh = p.contiguous()
+        mask = flex_block_mask(p.n, block_q, block_kv)
+        options = dict(BLOCK_M=block_q, BLOCK_N=block_kv)
+
+        def call():
+            return flex(qh, kh, vh, block_mask=mask, scale=SCALE, enable_gqa=True, kernel_options=options)
+
+        diff = (call()[0].transpose(0, 1).float() - ours.float()).abs().max().item()
+        return {f"{name}_ms": bench(call), f"{name}_max_diff": diff}
+    except Exception as exc:  # noqa: BLE001 - a failed baseline is reported, not fatal
+        return {f"{name}_error": repr(exc)[:200]}
+
+
+def time_sdpa(p: Prefill, name: str) -> dict:
+    """torch SDPA (dense causal) on p's contiguous K/V through one backend ("flash" or "cudnn")."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    rows = []
-    k_cache, v_cache, tables = _paged(n, 1, device, gen)
-    q = torch.randn(n, HEADS, HEAD_DIM, device=device, dtype=DTYPE)
-    seq_lens = torch.tensor([n], dtype=torch.int32, device=device)
-    qsl = torch.tensor([0, n], dtype=torch.int32, device=device)
-    layout = _layout()
-    sparse_pairs = int(_pairs_per_query_block(n).sum())
-    dense_pairs = HEADS * n * (n + 1) // 2
-
-    def add(name, ms, pairs, note=""):
-        tflops = FLOPS_PER_PAIR_PER_DIM * HEAD_DIM * pairs / ms / 1e9 if ms == ms else float("nan")
-        rows.append(dict(tokens=n, method=name, ms=ms, tflops=tflops, pairs=pairs, note=note))
-
-    def ours():
-        return tri.paged_prefill(q, k_cache, v_cache, tables, seq_lens, qsl, scale=SCALE, layout=layout)
-
-    add(
-        "ours: sparse prefill, launch only",
-        _bench(_prefill_launch_only(q, k_cache, v_cache, tables, seq_lens, qsl, layout)),
-        sparse_pairs,
-    )
-    add("ours: sparse prefill, op (validation + launch)", _bench(ours), sparse_pairs)
-    dense = _prefill_launch_only(q, k_cache, v_cache, tables, seq_lens, qsl, None)
-    add("ours: dense causal prefill, launch only", _bench(dense), dense_pairs)
-    k = _contiguous_kv(k_cache, tables[0], n).transpose(0, 1)[None].contiguous()
-    v = _contiguous_kv(v_cache, tables[0], n).transpose(0, 1)[None].contiguous()
-    qh = q.transpose(0, 1)[None].contiguous()
+    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[name]
+    qh, kh, vh = p.contiguous()
     group = HEADS // KV_HEADS
-    k_rep, v_rep = k.repeat_interleave(group, 1).contiguous(), v.repeat_interleave(group, 1).contiguous()
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        sdpa = lambda: F.scaled_dot_product_attention(qh, k_rep, v_rep, is_causal=True, scale=SCALE)
-        add("torch SDPA flash, dense causal", _bench(sdpa), dense_pairs, "contiguous K/V")
-    for bq, bkv in FLEX_BLOCKS:
-        name = f"FlexAttention compiled, blocks {bq}x{bkv}"
-        try:
-            bm = _flex_block_mask(n, bq, bkv, device)
-            opts = dict(BLOCK_M=bq, BLOCK_N=bkv)
-
-            def fx(bm=bm, opts=opts):
-                return flex(qh, k, v, block_mask=bm, scale=SCALE, enable_gqa=True, kernel_options=opts)
-
-            ms = _bench(fx)
-            # Same function as ours? A sanity check of the baseline, not a test.
-            diff = (fx()[0].transpose(0, 1).float() - ours().float()).abs().max().item()
-            add(name, ms, sparse_pairs, f"max abs diff vs ours {diff:.1e}")
-        except Exception as e:  # noqa: BLE001 - a failed baseline is reported, not fatal
-            add(name, float("nan"), sparse_pairs, f"failed: {e!r}"[:160])
-    return rows
+    kr, vr = (t.repeat_interleave(group, 1).contiguous() for t in (kh, vh))
+    try:
+        with sdpa_kernel(backend):
+            return {
+                f"sdpa_{name}_ms": bench(
+                    lambda: F.scaled_dot_product_attention(qh, kr, vr, is_causal=True, scale=SCALE)
+                )
+            }
+    except Exception as exc:  # noqa: BLE001
+        return {f"sdpa_{name}_error": repr(exc)[:200]}
 
 
-def _prefill_rows(device, gen) -> list[dict]:
+def prefill_rows(previous, gen) -> tuple[list[dict], list[dict]]:
+    """The issue's table (Phi-3 layout) with Flex at the full-prefill points, and dense against SDPA."""
     from torch.nn.attention.flex_attention import flex_attention
 
     flex = torch.compile(flex_attention, dynamic=False)
-    return [row for n in LENGTHS for row in _prefill_at(n, flex, device, gen)]
+    rows, dense_rows = [], []
+    for n, queries in ROWS:
+        p = Prefill(n, queries, phi3_layout(), gen)
+        row = dict(tokens=n, queries=queries, vllm_ms=VLLM_MS[(n, queries)], work_share=p.work_share)
+        row |= dict(planned_ms=p.planned(), op_ms=p.op())
+        row["tflops"] = p.tflops(row["planned_ms"])
+        if previous is not None and n < 131072:
+            row["previous_ms"] = p.previous()
+        if queries == n:
+            ours = kernels.paged_prefill(*p.args(), scale=SCALE, layout=p.layout)
+            for block_q, block_kv in FLEX_BLOCKS[n]:
+                row |= time_flex(flex, p, block_q, block_kv, ours)
+        rows.append(row)
+        print(row, flush=True)
+        if queries == n and n <= 32768:
+            d = Prefill(n, n, None, gen)
+            dense = dict(tokens=n, planned_ms=d.planned(), op_ms=d.op())
+            dense["tflops"] = d.tflops(dense["planned_ms"])
+            if previous is not None:
+                dense["previous_ms"] = d.previous()
+            dense |= time_sdpa(d, "flash") | time_sdpa(d, "cudnn")
+            dense_rows.append(dense)
+            print(dense, flush=True)
+    return rows, dense_rows
 
 
-def _prefix_at(n: int, device, gen) -> list[dict]:
-    k_cache, v_cache, tables = _paged(n, 1, device, gen)
-    layout = _layout()
-    per_block = _pairs_per_query_block(n).double()
-    seq_lens = torch.tensor([n], dtype=torch.int32, device=device)
-    q_full = torch.randn(n, HEADS, HEAD_DIM, device=device, dtype=DTYPE)
-
-    def prefill(context):
-        q = q_full[context:].contiguous()
-        qsl = torch.tensor([0, n - context], dtype=torch.int32, device=device)
-        return _bench(_prefill_launch_only(q, k_cache, v_cache, tables, seq_lens, qsl, layout))
-
-    full_ms = prefill(0)
-    rows = []
-    for frac in CACHED_FRACTIONS:
-        context = int(n * frac)
-        ms = prefill(context)
-        # context is a multiple of S at these sizes: whole query blocks drop out of the work
-        ideal = float(per_block[context // SPARSE_BLOCK :].sum() / per_block.sum())
-        ratio = ms / full_ms
-        rows.append(
-            dict(tokens=n, cached=frac, ms=ms, full_ms=full_ms, ratio=ratio, ideal=ideal, gap=ratio - ideal)
-        )
-    return rows
+def must_read_bytes(n: int, layout) -> int:
+    """K/V bytes one decode step must read for one sequence: every key block some query head of a
+    KV head's group may see (dense: all), for K and V."""
+    nb = -(-n // SPARSE_BLOCK)
+    if layout is None:
+        blocks = nb * KV_HEADS
+    else:
+        last = layout.block_mask(HEADS, nb)[:, -1, :]  # [H, NB]: the query's block row
+        blocks = int(last.view(KV_HEADS, HEADS // KV_HEADS, nb).any(1).sum())
+    return 2 * blocks * SPARSE_BLOCK * HEAD_DIM * torch.finfo(DTYPE).bits // 8
 
 
-def _prefix_rows(device, gen) -> list[dict]:
-    return [row for n in LENGTHS for row in _prefix_at(n, device, gen)]
+class Decode:
+    """One decode step of DECODE_BATCH sequences of n tokens and its timings."""
+
+    def __init__(self, n: int, layout, gen):
+        self.k, self.v, self.tables = paged(n, DECODE_BATCH, gen)
+        self.q = torch.randn(DECODE_BATCH, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+        self.seq_lens = torch.full((DECODE_BATCH,), n, dtype=torch.int32, device="cuda")
+        self.layout = layout
+        self.nbytes = DECODE_BATCH * must_read_bytes(n, layout)
+
+    def args(self):
+        return self.q, self.k, self.v, self.tables, self.seq_lens
+
+    def planned(self) -> float:
+        plan = kernels.plan_decode(*self.args(), scale=SCALE, layout=self.layout)
+        return bench(lambda: plan.run(self.q, self.k, self.v))
+
+    def op(self) -> float:
+        return bench(lambda: kernels.paged_decode(*self.args(), scale=SCALE, layout=self.layout))
+
+    def previous(self) -> float:
+        module = importlib.import_module("kernels_prev.paged_decode")
+        batch = validate_paged_decode(*self.args(), scale=SCALE, layout=self.layout)
+        return bench(lambda: module._launch(batch, *self.args(), self.layout))
 
 
-def _decode_rows(device, gen) -> list[dict]:
-    src = torch.empty(COPY_BYTES // 2, dtype=DTYPE, device=device).normal_()
+def copy_bandwidth() -> float:
+    """GB/s of a large device-to-device copy, bytes read plus bytes written."""
+    src = torch.empty(COPY_BYTES // 2, dtype=DTYPE, device="cuda").normal_()
     dst = torch.empty_like(src)
-    copy_ms = _bench(lambda: dst.copy_(src))
-    copy_bw = 2 * COPY_BYTES / copy_ms / MS_PER_S_TO_GB  # GB/s, bytes read + bytes written
-    k_cache, v_cache, tables = _paged(DECODE_CONTEXT, DECODE_BATCH, device, gen)
-    q = torch.randn(DECODE_BATCH, HEADS, HEAD_DIM, device=device, dtype=DTYPE)
-    seq_lens = torch.full((DECODE_BATCH,), DECODE_CONTEXT, dtype=torch.int32, device=device)
-    kv_bytes = 2 * DECODE_BATCH * DECODE_CONTEXT * KV_HEADS * HEAD_DIM * k_cache.element_size()
-    rows = [dict(method="device copy (read + write)", ms=copy_ms, gbps=copy_bw, frac=1.0)]
-    for name, layout in (("dense", None), ("Phi-3 sparse", _layout())):
-        op = lambda layout=layout: tri.paged_decode(
-            q, k_cache, v_cache, tables, seq_lens, scale=SCALE, layout=layout
-        )
-        launch = _decode_launch_only(q, k_cache, v_cache, tables, seq_lens, layout)
-        for how, fn in (("launch only", launch), ("op (validation + launch)", op)):
-            ms = _bench(fn)
-            gbps = kv_bytes / ms / MS_PER_S_TO_GB
-            rows.append(
-                dict(method=f"ours: paged decode, {name}, {how}", ms=ms, gbps=gbps, frac=gbps / copy_bw)
-            )
-    return rows
+    return 2 * COPY_BYTES / bench(lambda: dst.copy_(src)) / MS_TO_GBPS
 
 
-# Config sweep (predictions and outcomes go to docs/kernels-notes.md): alternatives to the defaults,
-# timed in the same run. Prefill: (BLOCK_M, BLOCK_N, warps, stages); decode: the same without BLOCK_M,
-# plus programs per SM (how many splits).
-PREFILL_SWEEP = (
-    (128, 64, 8, 3),
-    (128, 64, 8, 2),
-    (128, 64, 8, 4),
-    (128, 32, 8, 3),
-    (64, 64, 4, 3),
-    (128, 64, 4, 3),
-)
-DECODE_SWEEP = (
-    (64, 2, 3, 16),
-    (64, 4, 3, 8),  # the default before the 2-warp config was adopted
-    (64, 2, 2, 16),
-    (64, 2, 3, 8),
-    (128, 4, 2, 8),
-    (128, 2, 3, 16),
-)
-
-
-def _sweep_rows(device, gen) -> list[dict]:
-    decode_module = importlib.import_module("kernels.paged_decode")
-    prefill_module = importlib.import_module("kernels.paged_prefill")
-
+def decode_rows(previous, copy_gbps: float, gen) -> list[dict]:
     rows = []
-    n = LENGTHS[0]
-    k_cache, v_cache, tables = _paged(n, 1, device, gen)
-    q = torch.randn(n, HEADS, HEAD_DIM, device=device, dtype=DTYPE)
-    seq_lens = torch.tensor([n], dtype=torch.int32, device=device)
-    qsl = torch.tensor([0, n], dtype=torch.int32, device=device)
-    default = prefill_module.CONFIG_LARGE_D
-    for config in PREFILL_SWEEP:
-        prefill_module.CONFIG_LARGE_D = config
-        try:
-            ms = _bench(_prefill_launch_only(q, k_cache, v_cache, tables, seq_lens, qsl, _layout()))
-        except Exception as e:  # noqa: BLE001 - a config that fails to compile is reported
-            ms, config = float("nan"), (*config, repr(e)[:80])
-        rows.append(dict(op=f"sparse prefill {n}", config=str(config), ms=ms))
-    prefill_module.CONFIG_LARGE_D = default
-    k_cache, v_cache, tables = _paged(DECODE_CONTEXT, DECODE_BATCH, device, gen)
-    q = torch.randn(DECODE_BATCH, HEADS, HEAD_DIM, device=device, dtype=DTYPE)
-    seq_lens = torch.full((DECODE_BATCH,), DECODE_CONTEXT, dtype=torch.int32, device=device)
-    defaults = decode_module.CONFIG_GPU, decode_module.PROGRAMS_PER_SM
-    for *config, per_sm in DECODE_SWEEP:
-        decode_module.CONFIG_GPU, decode_module.PROGRAMS_PER_SM = tuple(config), per_sm
-        try:
-            ms = _bench(_decode_launch_only(q, k_cache, v_cache, tables, seq_lens, None))
-        except Exception as e:  # noqa: BLE001
-            ms, per_sm = float("nan"), f"{per_sm} {e!r}"[:80]
-        rows.append(
-            dict(
-                op=f"dense decode B{DECODE_BATCH} L{DECODE_CONTEXT}",
-                config=f"{tuple(config)}, {per_sm}/SM",
-                ms=ms,
+    for n in DECODE_CONTEXTS:
+        for name, layout in (("dense", None), ("Phi-3 sparse", phi3_layout())):
+            d = Decode(n, layout, gen)
+            row = dict(
+                context=n, layout=name, must_read_mb=d.nbytes / 1e6, planned_ms=d.planned(), op_ms=d.op()
             )
-        )
-    decode_module.CONFIG_GPU, decode_module.PROGRAMS_PER_SM = defaults
+            if previous is not None:
+                row["previous_ms"] = d.previous()
+            for key in ("planned", "op", "previous"):
+                if f"{key}_ms" in row:
+                    row[f"{key}_of_copy"] = d.nbytes / row[f"{key}_ms"] / MS_TO_GBPS / copy_gbps
+            rows.append(row)
+            print(row, flush=True)
+            del d
     return rows
 
 
-def _markdown(device_name, prefill, prefix, decode, sweep) -> str:
+def matmul_tflops() -> float:
+    a = torch.randn(MATMUL_N, MATMUL_N, device="cuda", dtype=DTYPE)
+    b = torch.randn_like(a)
+    return 2 * MATMUL_N**3 / bench(lambda: a @ b) / 1e9
+
+
+def _fmt(x, digits=3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _met(ok) -> str:
+    return "met" if ok else "NOT met"
+
+
+def _table(header: tuple[str, ...], rows: list[list]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+PREFILL_COLUMNS = (
+    "tokens",
+    "queries",
+    "ours planned ms (TFLOP/s)",
+    "ours op ms",
+    "op / planned",
+    "vLLM ms (issue)",
+    "ours / vLLM time",
+    "target <= 0.8",
+    "Flex 64x64 ms",
+    "Flex 128x64 ms",
+    "best Flex / ours",
+    "proxy target",
+    "previous commit ms",
+)
+PREFIX_COLUMNS = (
+    "tokens",
+    "queries",
+    "ms",
+    "full ms",
+    "time / full",
+    "ideal work ratio",
+    "gap",
+    "target <= +0.03",
+)
+DENSE_COLUMNS = (
+    "tokens",
+    "ours planned ms (TFLOP/s)",
+    "ours op ms",
+    "SDPA flash ms",
+    "SDPA cuDNN ms",
+    "ours / flash time",
+    "target <= 1",
+    "previous commit ms",
+)
+DECODE_COLUMNS = (
+    "context",
+    "layout",
+    "must-read MB",
+    "planned ms",
+    "planned / copy",
+    "op ms",
+    "op / copy",
+    "target >= 0.75 (planned, op)",
+    "previous commit ms",
+)
+
+
+def prefill_table(rows) -> list[str]:
+    cells = []
+    for r in rows:
+        flex = [r.get(f"flex_{bq}x{bkv}_ms") for bq, bkv in ((64, 64), (128, 64))]
+        best = min((f for f in flex if f is not None), default=None)
+        proxy = FLEX_PROXY.get(r["tokens"]) if r["queries"] == r["tokens"] else None
+        speedup = best / r["planned_ms"] if best else None
+        vs = r["planned_ms"] / r["vllm_ms"]
+        cells.append(
+            [
+                r["tokens"],
+                r["queries"],
+                f"{r['planned_ms']:.3f} ({r['tflops']:.0f})",
+                f"{r['op_ms']:.3f}",
+                f"{r['op_ms'] / r['planned_ms']:.2f}",
+                f"{r['vllm_ms']:.3f}",
+                f"{vs:.2f}",
+                _met(vs <= TARGET_VS_VLLM),
+                _fmt(flex[0]),
+                _fmt(flex[1]),
+                _fmt(speedup, 2),
+                "-" if proxy is None else f">= {proxy}: {_met(speedup and speedup >= proxy)}",
+                _fmt(r.get("previous_ms")),
+            ]
+        )
+    return _table(PREFILL_COLUMNS, cells)
+
+
+def prefix_table(rows) -> list[str]:
+    full = {r["tokens"]: r["planned_ms"] for r in rows if r["queries"] == r["tokens"]}
+    cells = []
+    for r in rows:
+        if r["queries"] != r["tokens"] and r["tokens"] in full:
+            ratio = r["planned_ms"] / full[r["tokens"]]
+            gap = ratio - r["work_share"]
+            cells.append(
+                [
+                    r["tokens"],
+                    r["queries"],
+                    f"{r['planned_ms']:.3f}",
+                    f"{full[r['tokens']]:.3f}",
+                    f"{ratio:.3f}",
+                    f"{r['work_share']:.3f}",
+                    f"{gap:+.3f}",
+                    _met(gap <= PREFIX_GAP_TARGET),
+                ]
+            )
+    return _table(PREFIX_COLUMNS, cells)
+
+
+def dense_table(dense_rows) -> list[str]:
+    cells = []
+    for d in dense_rows:
+        flash = d.get("sdpa_flash_ms")
+        vs = d["planned_ms"] / flash if flash else None
+        cells.append(
+            [
+                d["tokens"],
+                f"{d['planned_ms']:.3f} ({d['tflops']:.0f})",
+                f"{d['op_ms']:.3f}",
+                _fmt(flash),
+                _fmt(d.get("sdpa_cudnn_ms")),
+                _fmt(vs, 2),
+                _met(vs is not None and vs <= 1),
+                _fmt(d.get("previous_ms")),
+            ]
+        )
+    return _table(DENSE_COLUMNS, cells)
+
+
+def decode_table(decode) -> list[str]:
+    cells = []
+    for r in decode:
+        met = ", ".join(_met(r[f"{k}_of_copy"] >= DECODE_TARGET) for k in ("planned", "op"))
+        cells.append(
+            [
+                r["context"],
+                r["layout"],
+                f"{r['must_read_mb']:.0f}",
+                f"{r['planned_ms']:.3f}",
+                f"{r['planned_of_copy']:.2f}",
+                f"{r['op_ms']:.3f}",
+                f"{r['op_of_copy']:.2f}",
+                met,
+                _fmt(r.get("previous_ms")),
+            ]
+        )
+    return _table(DECODE_COLUMNS, cells)
+
+
+def markdown(device, matmul, copy_gbps, rows, dense_rows, decode, previous) -> str:
+    method = " ".join(__doc__.split("\n\n")[1].split())
     lines = [
         "# Kernel benchmark",
         "",
-        f"Device: {device_name}; torch {torch.__version__}, triton {triton.__version__}. Phi-3-small shapes: "
-        f"{HEADS} q heads, {KV_HEADS} KV heads, D {HEAD_DIM}, S {SPARSE_BLOCK}, local {LOCAL_BLOCKS}, "
-        f"vertical stride {VERT_STRIDE}, bf16, batch 1, pages of {PAGE_SIZE}. Median of do_bench "
-        f"(warm-up {WARMUP_MS} ms, {REP_MS} ms of repeats, L2 flushed). TFLOP/s count "
-        f"{FLOPS_PER_PAIR_PER_DIM}*D FLOPs per attended (q, k) pair only.",
+        f"Device: {device}; torch {torch.__version__}, triton {triton.__version__}. {method}",
         "",
-        "## Prefill",
+        f"Ceilings measured in this run: bf16 matmul {MATMUL_N}^3 at {matmul:.0f} TFLOP/s; device copy at "
+        f"{copy_gbps:.0f} GB/s (bytes read + written).",
         "",
-        "| tokens | method | ms | effective TFLOP/s | time / ours (sparse, launch only) | note |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "## Sparse prefill (Phi-3 layout), against vLLM's kernel and FlexAttention",
+        "",
+        *prefill_table(rows),
     ]
-    for r in prefill:
-        ours = next(
-            x["ms"]
-            for x in prefill
-            if x["tokens"] == r["tokens"] and x["method"] == "ours: sparse prefill, launch only"
-        )
-        cells = (
-            r["tokens"],
-            r["method"],
-            f"{r['ms']:.3f}",
-            f"{r['tflops']:.1f}",
-            f"{r['ms'] / ours:.2f}",
-            r["note"],
-        )
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    full8k = next((r for r in rows if r["tokens"] == r["queries"] == 8192), None)
+    if full8k:
+        ratio = full8k["op_ms"] / full8k["planned_ms"]
+        lines += [
+            "",
+            f"Public op at 8k full prefill: {ratio:.2f}x the planned time (target <= "
+            f"{OP_OVERHEAD_TARGET}: {_met(ratio <= OP_OVERHEAD_TARGET)}).",
+        ]
     lines += [
         "",
-        "## Prefix-cached sparse prefill (prefix read through the block table)",
+        "## Prefix-cached sparse prefill: time(queries) / time(full) against the ideal work ratio",
         "",
-        "| tokens | cached | ms | full prefill ms | time / full | ideal work ratio | gap |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for r in prefix:
-        lines.append(
-            f"| {r['tokens']} | {r['cached']:.0%} | {r['ms']:.3f} | {r['full_ms']:.3f} | {r['ratio']:.3f} | "
-            f"{r['ideal']:.3f} | {r['gap']:+.3f} |"
-        )
+    lines += prefix_table(rows)
+    lines += ["", "## Dense causal prefill against SDPA", "", *dense_table(dense_rows)]
     lines += [
         "",
-        f"## Decode (batch {DECODE_BATCH}, context {DECODE_CONTEXT}, pages of {PAGE_SIZE})",
+        f"## Decode, batch {DECODE_BATCH}, against the copy ceiling",
         "",
-        "| method | ms | GB/s (KV bytes read; copy: read + write) | fraction of copy bandwidth |",
-        "| --- | --- | --- | --- |",
+        "Bytes: the K/V one step must read (Phi-3: every key block some query head of the KV head's group "
+        "may see; dense: all of it).",
+        "",
+        *decode_table(decode),
     ]
-    for r in decode:
-        lines.append(f"| {r['method']} | {r['ms']:.3f} | {r['gbps']:.0f} | {r['frac']:.2f} |")
-    lines += [
-        "",
-        "## Config sweep (first row of each operator is the committed default)",
-        "",
-        "| operator | config | ms |",
-        "| --- | --- | --- |",
-    ]
-    lines += [f"| {r['op']} | {r['config']} | {r['ms']:.3f} |" for r in sweep]
+    if previous is not None:
+        lines += [
+            "",
+            f"Previous commit: the kernels of `{previous}` (reports/previous_kernels.sh), timed in the "
+            "same process through their launch (metadata validated outside the timed region).",
+        ]
     return "\n".join(lines) + "\n"
 
 
-def main(out_dir: pathlib.Path) -> None:
-    if not torch.cuda.is_available():
-        print("bench_kernels: no CUDA device; nothing to do.")
-        return
-    device = torch.device("cuda")
+def main(out_dir: pathlib.Path, previous: pathlib.Path | None = None) -> None:
+    """Runs every section and writes kernels-bench.md and kernels-bench.json under `out_dir`."""
+    commit = None
+    if previous is not None:
+        sys.path.insert(0, str(pathlib.Path(previous).resolve()))
+        commit = (pathlib.Path(previous) / "kernels_prev" / "COMMIT").read_text().strip()
     gen = torch.Generator().manual_seed(0)
-    prefill = _prefill_rows(device, gen)
-    prefix = _prefix_rows(device, gen)
-    decode = _decode_rows(device, gen)
-    sweep = _sweep_rows(device, gen)
-    md = _markdown(torch.cuda.get_device_name(), prefill, prefix, decode, sweep)
+    matmul, copy_gbps = matmul_tflops(), copy_bandwidth()
+    decode = decode_rows(previous, copy_gbps, gen)
+    rows, dense_rows = prefill_rows(previous, gen)
+    device = torch.cuda.get_device_name()
     out_dir.mkdir(parents=True, exist_ok=True)
+    md = markdown(device, matmul, copy_gbps, rows, dense_rows, decode, commit)
     (out_dir / "kernels-bench.md").write_text(md)
-    (out_dir / "kernels-bench.json").write_text(
-        json.dumps(dict(prefill=prefill, prefix=prefix, decode=decode, sweep=sweep), indent=1, default=str)
-        + "\n"
+    data = dict(
+        device=device,
+        matmul_tflops=matmul,
+        copy_gbps=copy_gbps,
+        prefill=rows,
+        dense=dense_rows,
+        decode=decode,
+        previous_commit=commit,
     )
+    (out_dir / "kernels-bench.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
     print(md)
-
-
-if __name__ == "__main__":
-    main(pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else pathlib.Path("reports/gpu"))
+    print(f"bench kernels: wrote {out_dir / 'kernels-bench.md'} and {out_dir / 'kernels-bench.json'}")

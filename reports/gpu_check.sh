@@ -1,23 +1,40 @@
 #!/usr/bin/env bash
-# One call on the GPU machine (torch/triton preinstalled, no nox): the engine TTFT benchmark, the
-# GPU accuracy report and the whole test suite, each under a time cap, results packed into one file.
-# Usage: bash reports/gpu_check.sh OUT_DIR   (writes OUT_DIR/gpu.tgz and OUT_DIR/summary.txt)
+# The GPU machine's checks in two calls that fit the device tool's 10-minute limit (torch/triton are
+# preinstalled there, no nox). Each step runs under a time cap and writes into OUT_DIR as it goes.
+#   bash reports/gpu_check.sh OUT_DIR suite   the whole test suite (tabulated: kernels-tests.md),
+#                                             compute-sanitizer memcheck on the
+#                                             named kernel cases, the accuracy report
+#   bash reports/gpu_check.sh OUT_DIR bench   the kernel benchmark (A/B against .ab/, made by
+#                                             reports/previous_kernels.sh; carry .ab) and the engine TTFT
 set -u
-out=${1:?usage: gpu_check.sh OUT_DIR}
-work=$(mktemp -d)/gpu
-mkdir -p "$work"
-export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci}
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$work/device.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$work/device.txt"
-
-timeout 230 python3 -m reports.bench --only engine --out "$work" > "$work/bench-engine.log" 2>&1
-echo "engine bench exit $?" | tee -a "$work/summary.txt"
-timeout 200 python3 -m reports.accuracy --device cuda --out "$work" > "$work/accuracy.log" 2>&1
-echo "accuracy report exit $?" | tee -a "$work/summary.txt"
-timeout 200 python3 -m pytest tests -q -p no:cacheprovider -n 8 > "$work/tests.log" 2>&1
-echo "pytest exit $?" | tee -a "$work/summary.txt"
-tail -n 15 "$work/tests.log" >> "$work/summary.txt"
-
-tar czf "$out/gpu.tgz" -C "$(dirname "$work")" gpu
-cp "$work/summary.txt" "$out/summary.txt"
-cat "$work/summary.txt"
+out=${1:?usage: gpu_check.sh OUT_DIR suite|bench}
+part=${2:?usage: gpu_check.sh OUT_DIR suite|bench}
+export PYTHONUNBUFFERED=1
+mkdir -p "$out"
+{
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+} | tee "$out/device.txt"
+step() {  # cap_s, log name, command...
+  local cap=$1 log=$2
+  shift 2
+  local t0=$SECONDS
+  timeout "$cap" "$@" > "$out/$log.log" 2>&1
+  echo "$log: exit $? in $((SECONDS - t0)) s" | tee -a "$out/summary.txt"
+}
+case $part in
+  suite)
+    # -n 4: eight workers ran out of GPU memory on the 8k float64 Phi-3 oracle cases.
+    HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci} step 270 tests \
+      python3 -m reports.gpu_kernel_check --out "$out" -- tests -n 4
+    tail -n 25 "$out/tests.log" >> "$out/summary.txt"
+    SANITIZER_TOOLS=memcheck SANITIZER_CAP=110 step 120 sanitizer bash reports/gpu_sanitizer.sh "$out"
+    step 150 accuracy python3 -m reports.accuracy --device cuda --out "$out"
+    ;;
+  bench)
+    step 300 bench-kernels python3 -m reports.bench --only kernels --out "$out" --previous .ab
+    step 240 bench-engine python3 -m reports.bench --only engine --out "$out"
+    ;;
+  *) echo "unknown part $part (suite or bench)"; exit 2 ;;
+esac
+cat "$out/summary.txt"

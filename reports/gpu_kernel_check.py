@@ -1,8 +1,9 @@
-"""Runs the kernel test set and tabulates it: pass counts and worst error ratio per dtype and operator.
+"""Runs tests and tabulates them: pass counts per module, worst error ratio per dtype and operator.
 
-`python3 -m reports.gpu_kernel_check [--out reports/gpu]` writes kernels-tests.md and
-kernels-tests.json. A ratio is error / allowed error of SPEC section 5 (<= 1 passes), the larger
-of the max and mean gates. Figures come from whatever device the tests ran on, named in the table.
+`python3 -m reports.gpu_kernel_check [--out reports/gpu] [-- PYTEST_ARGS]` (default `tests/kernels`)
+writes kernels-tests.md and kernels-tests.json. A ratio is error / allowed error of contract §5
+(<= 1 passes), the larger of the max and mean gates. Figures come from whatever device the tests ran
+on, named in the table.
 """
 
 import argparse
@@ -16,7 +17,7 @@ import xml.etree.ElementTree as ET
 
 import torch
 
-from tests.kernels.record import STATS_ENV
+from harness.stats_log import STATS_ENV
 
 
 def _device_name() -> str:
@@ -42,7 +43,7 @@ def _junit_counts(path: pathlib.Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("reports/gpu"))
-    parser.add_argument("pytest_args", nargs="*")
+    parser.add_argument("pytest_args", nargs="*", help="after --; default: tests/kernels")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     stats_path = args.out / "kernels-stats.jsonl"
@@ -53,13 +54,13 @@ def main(argv: list[str] | None = None) -> int:
         sys.executable,
         "-m",
         "pytest",
-        "tests/kernels",
         "-q",
         "-p",
         "no:cacheprovider",
         f"--junitxml={junit}",
     ]
-    rc = subprocess.run(cmd + args.pytest_args, env=env).returncode
+    pytest_args = args.pytest_args or ["tests/kernels"]
+    rc = subprocess.run(cmd + pytest_args, env=env).returncode
     counts = _junit_counts(junit)
     worst = {}
     for line in stats_path.read_text().splitlines() if stats_path.exists() else []:
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         "# Kernel tests",
         "",
-        f"Device: {_device_name()}. Command: `{' '.join(cmd[1:] + args.pytest_args)}`, "
+        f"Device: {_device_name()}. Command: `{' '.join(cmd[1:] + pytest_args)}`, "
         f"HYPOTHESIS_PROFILE={os.environ.get('HYPOTHESIS_PROFILE', '(default)')}; pytest exit code {rc}.",
         "",
         "| test module | passed | failed | skipped |",
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {module} | {c.get('passed', 0)} | {c.get('failed', 0)} | {c.get('skipped', 0)} |")
     lines += [
         "",
-        "Worst error ratio per operator, output and dtype (error / allowed, SPEC section 5; <= 1 passes).",
+        "Worst error ratio per operator, output and dtype (error / allowed, contract §5; <= 1 passes).",
         "",
         "| operator | output | dtype | comparisons | worst max-gate | worst mean-gate | worst case |",
         "| --- | --- | --- | --- | --- | --- | --- |",

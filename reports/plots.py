@@ -1,8 +1,12 @@
 """PNG curves of the accuracy report (reports/accuracy.py): error against one swept quantity."""
 
 import math
+import pathlib
 
 import matplotlib
+
+from harness.cases import DTYPES
+from harness.tolerance import TOLERANCE
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -10,6 +14,19 @@ import matplotlib.pyplot as plt  # noqa: E402
 FIGSIZE = (10, 3.6)
 DPI = 80
 BASE_STYLE = dict(color="black", linestyle="--", marker="x")
+CURVE_NAMES = {"seq_len": "sequence length", "sparsity": "sparsity", "prefix_share": "cached-prefix share"}
+# sweep -> (x-axis label, logarithmic x axis)
+CURVE_AXES = {
+    "seq_len": ("sequence length (tokens, no cached prefix)", True),
+    "sparsity": ("share of causal blocks kept (random block mask)", False),
+    "prefix_share": ("cached-prefix share of the sequence (context / length)", False),
+}
+
+
+def plot_title(file_name: str) -> str:
+    """ "seq_len-dense.png" -> "Error against sequence length, dense layout"."""
+    sweep, kind = file_name.removesuffix(".png").split("-", 1)
+    return f"Error against {CURVE_NAMES[sweep]}, {kind} layout"
 
 
 def _positive(values):
@@ -17,12 +34,15 @@ def _positive(values):
     return [v if isinstance(v, (int, float)) and 0 < v < math.inf else math.nan for v in values]
 
 
-def error_curves(path, *, title: str, xlabel: str, xs, series: dict, base: list, footnote: str, logx=False):
+def error_curves(
+    path, *, title: str, xlabel: str, xs, series: dict, base: list, footnote: str, factor: float, logx=False
+):
     """Two panels: max |out - ref| (with the same-dtype oracle `base` dashed) and its ratio to base.
 
     Args:
-        series: label -> list of (max_err, ratio_to_base) per x, None where the backend did not run.
+        series: label -> list of (max_err, ratio_to_base) per x, None where the case was not judged.
         base: max |base - ref| per x.
+        factor: the max gate's factor of contract §5, drawn as a line on the ratio panel.
     """
     fig, (ax_err, ax_ratio) = plt.subplots(1, 2, figsize=FIGSIZE, dpi=DPI)
     ax_err.plot(xs, _positive(base), label="oracle in dtype (base)", **BASE_STYLE)
@@ -33,7 +53,9 @@ def error_curves(path, *, title: str, xlabel: str, xs, series: dict, base: list,
         ratios = [p[1] if p else None for p in points]
         ax_err.plot(xs, _positive(errs), marker="o", label=label)
         ax_ratio.plot(xs, _positive(ratios), marker="o", label=label)
-    ax_ratio.axhline(2.0, color="red", linewidth=0.8, linestyle=":", label="tolerance factor (2x base)")
+    ax_ratio.axhline(
+        factor, color="red", linewidth=0.8, linestyle=":", label=f"tolerance factor ({factor:g}x base)"
+    )
     ax_err.set_ylabel("max |out - ref|")
     ax_ratio.set_ylabel("max err / base max err")
     for ax in (ax_err, ax_ratio):
@@ -48,3 +70,26 @@ def error_curves(path, *, title: str, xlabel: str, xs, series: dict, base: list,
     fig.tight_layout(rect=(0, 0.04, 1, 0.95))
     fig.savefig(path)
     plt.close(fig)
+
+
+def plot_curves(curve_data: dict, folder: pathlib.Path, dtype: str, where: str, footnote: str) -> list[str]:
+    """One PNG per sweep and layout kind of `curve_data` (reports.accuracy.curves); returns the names."""
+    factor = TOLERANCE[DTYPES[dtype]][0]
+    files = []
+    for sweep, series in curve_data.items():
+        for kind, entry in series.items():
+            name = f"{sweep}-{kind}.png"
+            xlabel, logx = CURVE_AXES[sweep]
+            error_curves(
+                folder / name,
+                title=f"paged_prefill, {kind} layout, {dtype}, on {where}",
+                xlabel=xlabel,
+                xs=entry["x"],
+                series=entry["implementations"],
+                base=entry["base"],
+                footnote=footnote,
+                factor=factor,
+                logx=logx,
+            )
+            files.append(name)
+    return files

@@ -195,7 +195,7 @@ def test_block_layout_to_csr(drawn):
 def test_block_layout_to_csr_phi3_small():
     layout = reference.LocalStridedLayout(64, 16, 8)
     crow, col = cl.block_layout_to_csr(layout, 32, 128)
-    # SPEC §2.1's golden counts: 2670 blocks in head 0, 30 in its last row (16 local + 14 vertical).
+    # contract §2.1's golden counts: 2670 blocks in head 0, 30 in its last row (16 local + 14 vertical).
     assert int(crow[0, -1]) == 2670 and int(crow[0, -1] - crow[0, -2]) == 30
     assert torch.equal(cl.csr_to_block_mask(crow, col), layout.block_mask(32, 128))
 
