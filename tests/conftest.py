@@ -45,6 +45,7 @@ def pytest_configure(config):
         "operator(*names): the operators of the implementation under test that the test calls",
         "requires(**capabilities): capabilities (lse, context, validates) the test needs",
         "ours: a test of this repository's own kernels (runs only with --backend triton)",
+        "planned: a test of the planned path (plan_prefill / plan_decode), where the implementation has one",
     ):
         config.addinivalue_line("markers", line)
 
@@ -54,6 +55,8 @@ def _refusal(item, impl) -> str | None:
     caps = impl.capabilities
     if item.get_closest_marker("ours") and impl.name != registry.DEFAULT_BACKEND:
         return f"tests this repository's kernels; --backend is {impl.name}"
+    if item.get_closest_marker("planned") and not impl.planners:
+        return f"{impl.name} has no planned path (plan_prefill / plan_decode)"
     for marker in item.iter_markers("operator"):
         missing = [op for op in marker.args if not impl.provides(op)]
         if missing:

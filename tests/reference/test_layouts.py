@@ -1,4 +1,4 @@
-"""Layout builders against the per-element formula of SPEC section 2, compared exactly."""
+"""Layout builders against the per-element formula of contract §2, compared exactly."""
 
 import math
 
@@ -13,7 +13,7 @@ from tests.budgets import examples
 
 
 def allowed_by_formula(layout: ref.LocalStridedLayout, num_heads: int, h: int, qb: int, kb: int) -> bool:
-    """SPEC section 2.1, written out per element with plain ints."""
+    """contract §2.1, written out per element with plain ints."""
     total = layout.num_heads_total or num_heads
     step = 0 if layout.homo_head else max(1, layout.vert_stride // total)
     g = layout.head_offset + h

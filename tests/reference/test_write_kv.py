@@ -1,4 +1,4 @@
-"""The cache-write oracle against a position-by-position reading of SPEC section 3."""
+"""The cache-write oracle against a position-by-position reading of contract §3."""
 
 import torch
 from hypothesis import given
