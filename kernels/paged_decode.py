@@ -523,8 +523,8 @@ class DecodePlan:
 def plan_decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, layout=None, return_lse=False):
     """Validates a `paged_decode` call once; returns a plan whose `run(q, k_cache, v_cache)` launches it.
 
-    spec: `reference.paged_decode.plan_decode`. Arguments as `paged_decode`; only the shapes, dtypes and
-    devices of q, k_cache and v_cache are planned, so one plan serves every layer.
+    spec: `reference.paged_decode.plan_decode`. Arguments as `paged_decode`; only the shapes, strides,
+    dtypes and devices of q, k_cache and v_cache are planned, so one plan serves every layer.
     """
     return DecodePlan(
         q, k_cache, v_cache, block_tables, seq_lens, scale=scale, layout=layout, return_lse=return_lse

@@ -481,7 +481,7 @@ def plan_prefill(
     """Validates a `paged_prefill` call once; returns a plan whose `run(q, k_cache, v_cache)` launches it.
 
     spec: `reference.paged_prefill.plan_prefill`. Arguments as `paged_prefill`; only the shapes,
-    dtypes and devices of q, k_cache and v_cache are planned, so one plan serves every layer.
+    strides, dtypes and devices of q, k_cache and v_cache are planned, so one plan serves every layer.
     """
     return PrefillPlan(
         q,

@@ -105,8 +105,8 @@ class WritePlan:
 def plan_write_kv(k, v, k_cache, v_cache, slot_mapping):
     """Validates a `write_kv` call once; returns a plan whose `run(k, v, k_cache, v_cache)` launches it.
 
-    spec: `reference.write_kv.plan_write_kv`. Only shapes, dtypes and devices of K/V and the caches are
-    planned, so one plan serves every layer of a step.
+    spec: `reference.write_kv.plan_write_kv`. Only shapes, strides, dtypes and devices of K/V and the
+    caches are planned, so one plan serves every layer of a step.
     """
     return WritePlan(k, v, k_cache, v_cache, slot_mapping)
 

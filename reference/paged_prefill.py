@@ -147,9 +147,9 @@ def plan_prefill(
 ):
     """Validates a `paged_prefill` call once; returns a plan whose `run(q, k_cache, v_cache)` computes it.
 
-    Arguments as `paged_prefill`. Only the shapes, dtypes and devices of q, k_cache and v_cache are
-    planned: `run` takes any tensors of those, and refuses (ValueError) others and metadata modified
-    in place after planning.
+    Arguments as `paged_prefill`. Only the shapes, strides, dtypes and devices of q, k_cache and
+    v_cache are planned: `run` takes any tensors of those, and refuses (ValueError) others and
+    metadata modified in place after planning.
     """
     batch = validate_paged_prefill(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=scale, layout=layout,

@@ -252,7 +252,7 @@ class PlanGuard:
     """What a plan was built for, so that running it on anything else is refused (a stale plan).
 
     A plan covers the per-call tensors (`planned`: q and the caches, or K/V and the caches) of the
-    planned shapes, dtypes and devices (their values are free: one plan serves every layer of a
+    planned shapes, strides, dtypes and devices (their values are free: one plan serves every layer of a
     step) and the metadata tensors as they were when it was validated: `check` raises ValueError
     when a tensor does not match, or when a metadata tensor was modified in place since (its version
     counter moved). Writes that bypass torch's version counter (a custom kernel writing through a
