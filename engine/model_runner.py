@@ -131,39 +131,32 @@ class ModelRunner:
         """write_kv, then paged_decode on the one-query rows and paged_prefill on the rest."""
         k_cache, v_cache = self.kv_caches[layer]
         layout, nd = self.model.layouts[layer], meta.num_decode_tokens
-        plan_write = self.ops.planners.get("plan_write_kv")
-        if plan_write is None:
-            self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        else:
-            if "write_kv" not in meta.plans:
-                meta.plans["write_kv"] = plan_write(k, v, k_cache, v_cache, meta.slot_mapping)
-            meta.plans["write_kv"].run(k, v, k_cache, v_cache)
+        self._planned(meta, "write_kv", "write_kv", (k, v, k_cache, v_cache), (meta.slot_mapping,))
+        attention = dict(scale=self.args.scale, layout=layout)
         parts = []
         if nd:
             metadata = (meta.decode_block_tables, meta.decode_seq_lens)
+            per_call = (q[:nd].contiguous(), k_cache, v_cache)
             parts.append(
-                self._attention(meta, "decode", layout, q[:nd].contiguous(), k_cache, v_cache, metadata)
+                self._planned(meta, ("decode", id(layout)), "paged_decode", per_call, metadata, **attention)
             )
         if nd < q.shape[0]:
             metadata = (meta.prefill_block_tables, meta.prefill_seq_lens, meta.prefill_query_start_loc)
+            per_call = (q[nd:].contiguous(), k_cache, v_cache)
             parts.append(
-                self._attention(meta, "prefill", layout, q[nd:].contiguous(), k_cache, v_cache, metadata)
+                self._planned(meta, ("prefill", id(layout)), "paged_prefill", per_call, metadata, **attention)
             )
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _attention(
-        self, meta: AttentionMetadata, op: str, layout, q, k_cache, v_cache, metadata
-    ) -> torch.Tensor:
-        """The step's plan for (op, layout), made at its first layer, or the plain operator."""
-        planner = self.ops.planners.get(f"plan_{op}")
+    def _planned(self, meta: AttentionMetadata, key, op: str, per_call: tuple, metadata: tuple, **kwargs):
+        """`op(*per_call, *metadata, **kwargs)` through the step's plan under `key`, made at the first layer
+        that needs it, or the plain operator when the backend has no planner for it."""
+        planner = self.ops.planners.get("plan_" + op.removeprefix("paged_"))
         if planner is None:
-            return self.ops.op(f"paged_{op}")(
-                q, k_cache, v_cache, *metadata, scale=self.args.scale, layout=layout
-            )
-        key = (op, id(layout))
+            return self.ops.op(op)(*per_call, *metadata, **kwargs)
         if key not in meta.plans:
-            meta.plans[key] = planner(q, k_cache, v_cache, *metadata, scale=self.args.scale, layout=layout)
-        return meta.plans[key].run(q, k_cache, v_cache)
+            meta.plans[key] = planner(*per_call, *metadata, **kwargs)
+        return meta.plans[key].run(*per_call)
 
     def run(self, batch: list[ScheduledSeq]) -> list[Sample | None]:
         """One forward pass over `batch`; a Sample for every row whose chunk reaches its last token."""
