@@ -17,6 +17,7 @@ import time
 
 from fuzz import backend_names, case_file, summary
 from fuzz.ledger import Ledger
+from harness.records import jsonable
 
 BAR_INTERVAL_S = 0.5  # redraw period of the progress line on a terminal
 LOG_INTERVAL_S = 15.0  # period of a progress line when stderr is not a terminal
@@ -198,7 +199,7 @@ def finish(args, name: str, tally: summary.Tally, elapsed: float, workers: int) 
     }
     data |= summary.summary_dict(tally, elapsed)
     data |= {"stale_ledger_entries": [e.id for e, _ in stale], "exit_code": code}
-    text = json.dumps(case_file.jsonable(data), indent=1)
+    text = json.dumps(jsonable(data), indent=1)
     if args.summary:
         args.summary.parent.mkdir(parents=True, exist_ok=True)
         args.summary.write_text(text + "\n")

@@ -7,15 +7,14 @@ measured, the versions and device it was measured with, and the one-line command
 """
 
 import json
-import math
 import os
 import pathlib
-import platform
 import time
 import zlib
 from typing import NamedTuple
 
 from fuzz import backend_names
+from harness.records import jsonable, versions
 
 FORMAT = 1
 REPLAY_COMMAND = "nox -s kernel-fuzz -- --replay {path}"
@@ -28,33 +27,6 @@ REBUILD = {
 }
 # replay exit codes
 REPRODUCED, NOT_REPRODUCED, NOT_RUN = 1, 0, 2
-
-
-def versions() -> dict:
-    """Versions of what produced a result (triton only when importable)."""
-    import hypothesis
-    import torch
-
-    out = {"python": platform.python_version(), "torch": torch.__version__}
-    try:
-        import triton
-
-        out["triton"] = triton.__version__
-    except ImportError:
-        out["triton"] = None
-    out["hypothesis"] = hypothesis.__version__
-    return out
-
-
-def jsonable(x):
-    """JSON has no inf/nan: store them as strings."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, dict):
-        return {k: jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [jsonable(v) for v in x]
-    return x
 
 
 def file_name(target: str, backend: str, dtype: str, case: dict) -> str:

@@ -10,6 +10,7 @@
     poison       NaN poisoning of an implementation's allocations
     cache_layouts conversions between the suite's paged cache and the layouts kernels use
     stats_log    the error-ratio log of the operator tests
+    records      the versions behind a stored result, and JSON without inf or NaN
 
 Nothing here imports tests/.
 """

@@ -13,6 +13,7 @@ import torch
 
 import reference
 from harness.cases import DTYPES, AttentionCase, attention_args, build_inputs
+from harness.records import jsonable
 from harness.tolerance import ErrorStats, error_stats
 from reference.paged_prefill import prefill_in_dtype
 from reference.validation import validate_paged_prefill
@@ -55,9 +56,7 @@ def oracle_and_base(inputs: dict):
 
 
 def stats_dict(s: ErrorStats) -> dict:
-    d = asdict(s)
-    d["worst_index"] = list(s.worst_index)
-    return {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in d.items()}
+    return jsonable(asdict(s))
 
 
 def crash(exc: BaseException) -> Verdict:

@@ -17,7 +17,6 @@ markdown in reports/accuracy_render.py and the plots in reports/plots.py.
 
 import argparse
 import json
-import math
 import os
 import pathlib
 import platform
@@ -29,6 +28,7 @@ import torch
 
 from harness import registry
 from harness.cases import LAYOUT_KINDS
+from harness.records import jsonable, versions
 from reports.accuracy_cases import PROFILES, Profile, curve_cases, kept_share, summary_cases
 from reports.accuracy_measure import Runner, aggregate, load_implementations
 from reports.accuracy_render import cell, markdown
@@ -96,29 +96,6 @@ def device_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()
     return f"CPU ({platform.processor() or platform.machine()}), Triton interpreter (TRITON_INTERPRET=1)"
-
-
-def versions() -> dict:
-    """Versions of what produced the report (triton only when importable)."""
-    out = {"python": platform.python_version(), "torch": torch.__version__}
-    try:
-        import triton
-
-        out["triton"] = triton.__version__
-    except ImportError:
-        out["triton"] = None
-    return out
-
-
-def jsonable(x):
-    """JSON has no inf/nan: they are stored as strings."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, dict):
-        return {k: jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [jsonable(v) for v in x]
-    return x
 
 
 def _parse(argv):
