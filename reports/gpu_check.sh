@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU machine's checks in two calls that fit the device tool's 10-minute limit (torch/triton are
-# preinstalled there, no nox). Each step runs under a time cap and writes into OUT_DIR as it goes.
+# preinstalled there, no nox). Each step runs under a time cap and writes into OUT_DIR as it goes;
+# OUT_DIR.tgz beside it holds the lot (on the device tool: OUT_DIR=$OUT/suite, say).
 #   bash reports/gpu_check.sh OUT_DIR suite   the whole test suite (tabulated: kernels-tests.md),
-#                                             compute-sanitizer memcheck on the
-#                                             named kernel cases, the accuracy report
+#                                             compute-sanitizer memcheck on the named kernel cases
 #   bash reports/gpu_check.sh OUT_DIR bench   the kernel benchmark (A/B against .ab/, made by
-#                                             reports/previous_kernels.sh; carry .ab) and the engine TTFT
+#                                             reports/previous_kernels.sh; carry .ab), the engine TTFT,
+#                                             the accuracy report
 set -u
 out=${1:?usage: gpu_check.sh OUT_DIR suite|bench}
 part=${2:?usage: gpu_check.sh OUT_DIR suite|bench}
@@ -25,16 +26,18 @@ step() {  # cap_s, log name, command...
 case $part in
   suite)
     # -n 4: eight workers ran out of GPU memory on the 8k float64 Phi-3 oracle cases.
-    HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci} step 270 tests \
+    HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci} step 400 tests \
       python3 -m reports.gpu_kernel_check --out "$out" -- tests -n 4
     tail -n 25 "$out/tests.log" >> "$out/summary.txt"
     SANITIZER_TOOLS=memcheck SANITIZER_CAP=110 step 120 sanitizer bash reports/gpu_sanitizer.sh "$out"
-    step 150 accuracy python3 -m reports.accuracy --device cuda --out "$out"
     ;;
   bench)
     step 300 bench-kernels python3 -m reports.bench --only kernels --out "$out" --previous .ab
     step 240 bench-engine python3 -m reports.bench --only engine --out "$out"
+    step 150 accuracy python3 -m reports.accuracy --device cuda --out "$out"
     ;;
   *) echo "unknown part $part (suite or bench)"; exit 2 ;;
 esac
 cat "$out/summary.txt"
+# The device tool returns at most eight files per call: everything also goes back as one archive.
+tar czf "$out.tgz" -C "$(dirname "$out")" "$(basename "$out")"
