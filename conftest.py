@@ -52,3 +52,15 @@ def pytest_addoption(parser):
     group.addoption(
         "--skips-file", default=None, help="a file of test-id patterns (same format) not to run at all"
     )
+    group.addoption(
+        "--failures-dir",
+        default=None,
+        help="where a test that crashes or hangs saves its case (default: fuzz/failures)",
+    )
+    group.addoption(
+        "--case-timeout",
+        type=float,
+        default=300.0,
+        help="seconds one judged case may run before the worker is stopped and the test reported as "
+        "HANG (default: %(default)s; needs -n, xdist, to go on with the other tests)",
+    )

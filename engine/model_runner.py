@@ -59,15 +59,43 @@ class Sample:
     logits: torch.Tensor | None
 
 
-def load_backend(name: str):
-    """The implementation called `name` (harness/registry.py); ValueError unless it provides all three
-    operators, which the engine needs."""
-    impl = registry.load(name)
+def backend_refusal(impl, args: ModelArgs, dtype: str, page_size: int) -> str | None:
+    """Why the engine cannot run `impl` (a loaded implementation) for this model, or None.
+
+    The engine calls all three operators, in the model's dtype, over its dense and local-strided
+    layers, with cached contexts (prefix-cache hits and chunked prefill): an implementation that does
+    not provide or declare all of that would fail at the first step that needs it.
+    """
     missing = [op for op in registry.OPERATORS if not impl.provides(op)]
     if missing:
-        raise ValueError(
-            f"backend {name!r} provides no {', '.join(missing)}; the engine needs all three operators"
-        )
+        return f"provides no {', '.join(missing)}; the engine needs all three operators"
+    caps = impl.capabilities
+    layouts = {"dense"} | ({"local_strided"} if any(args.layout(i) for i in range(args.n_layers)) else set())
+    sparse = "local_strided" in layouts
+    needs = [
+        (dtype in caps.dtypes, f"dtype {dtype}"),
+        (layouts <= set(caps.layouts), f"layouts {', '.join(sorted(layouts))}"),
+        (caps.context, "prefill with a cached context (prefix-cache hits and chunked prefill read one)"),
+        (caps.page_sizes is None or page_size in caps.page_sizes, f"page size {page_size}"),
+        (caps.head_dims is None or args.head_dim in caps.head_dims, f"head_dim {args.head_dim}"),
+        (
+            caps.block_sizes is None or not sparse or args.sparse_block_size in caps.block_sizes,
+            f"sparse block size {args.sparse_block_size}",
+        ),
+    ]
+    undeclared = [what for ok, what in needs if not ok]
+    if undeclared:
+        return f"does not declare what the engine needs: {'; '.join(undeclared)} (contract §9)"
+    return None
+
+
+def load_backend(name: str, args: ModelArgs, dtype: str, page_size: int):
+    """The implementation called `name` (harness/registry.py); ValueError, before any step runs, unless
+    it provides and declares everything the engine will ask of it (`backend_refusal`)."""
+    impl = registry.load(name)
+    why = backend_refusal(impl, args, dtype, page_size)
+    if why:
+        raise ValueError(f"backend {name!r} {why}")
     return impl
 
 
@@ -88,7 +116,9 @@ class ModelRunner:
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         default = "bfloat16" if self.device.type == "cuda" else "float32"
         self.dtype = getattr(torch, config.dtype or default)
-        self.ops = load_backend(config.backend)
+        self.ops = load_backend(
+            config.backend, args, str(self.dtype).removeprefix("torch."), config.page_size
+        )
         with self.device:  # build the layers on the device: no large CPU init for big configs
             self.model = Decoder(args).init_weights(config.seed, self.device, self.dtype)
         shape = (config.num_pages, config.page_size, args.n_kv_heads, args.head_dim)

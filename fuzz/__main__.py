@@ -10,14 +10,18 @@ examples:
 
 how it works:
   Workers (spawned processes; one per CPU core, or one per GPU) load the implementation by its name,
-  draw cases within what it declares (capabilities, harness/strategies.py) and judge each against
+  draw cases within what it declares (capabilities, harness/strategies.py) and run each in a child
+  process of their own (harness/isolation.py), which judges it against
   the float64 oracle by contract §5's tolerance rule (docs/contract.md): out and, where declared,
   lse; write_kv bit for bit; the engine cold vs warm (harness/engine_check.py). Each chunk of draws
   fixes one dtype, so a failure keeps its dtype while hypothesis shrinks it; the smallest failing
   case is saved under --failures-dir as a small JSON file that records the backend name, so
-  `--replay FILE` needs no other flag. A case the implementation refuses (NotImplementedError, or
-  ValueError on a valid case) counts as unsupported, never as passed or failed. Known failures live
-  in the ledger (fuzz/ledger.py); a wrong-answer entry whose case passes again fails the run.
+  `--replay FILE` needs no other flag. A case the implementation refuses with NotImplementedError
+  counts as unsupported, never as passed or failed; a ValueError or TypeError on a valid case is a
+  failure ("rejected a valid input"). A case that kills its child process or leaves the GPU unusable
+  is a CRASH, one that runs past --case-timeout a HANG: both are failures, saved before they are
+  shrunk (each candidate in a fresh child), and the campaign goes on with a new child. Known failures
+  live in the ledger (fuzz/ledger.py); a wrong-answer entry whose case passes again fails the run.
 
   The campaign ends when the time box is over or, with --max-cases, when every target has drawn its
   cases (whichever comes first). Cases in flight and a shrink in progress are finished after the time
@@ -29,7 +33,7 @@ how it works:
 exit codes:
   campaign: 0 no new failure; 1 a new failure, a stale ledger entry or an incomplete run;
             2 no requested target can run here (the reasons are printed).
-  replay:   1 the case still fails (reproduced); 0 it passes now; 2 it could not run.
+  replay:   1 the case still fails, crashes or hangs (reproduced); 0 it passes now; 2 it could not run.
 """
 
 import argparse
@@ -56,7 +60,7 @@ def _positive(kind):
 def parser() -> argparse.ArgumentParser:
     """The command line of `python -m fuzz`; its epilog is this module's docstring."""
     from fuzz.targets import TARGETS
-    from harness import registry
+    from harness import isolation, registry
     from harness.cases import DTYPES
 
     p = argparse.ArgumentParser(
@@ -112,6 +116,14 @@ def parser() -> argparse.ArgumentParser:
         default=DEFAULT_MAX_FAILURES,
         metavar="N",
         help="a worker stops a target after N saved failures (default %(default)s)",
+    )
+    how.add_argument(
+        "--case-timeout",
+        type=_positive(float),
+        default=isolation.DEFAULT_CASE_TIMEOUT_S,
+        metavar="SECONDS",
+        help="a case that runs longer (compilation included) is killed and counts as HANG, a failure "
+        "(default %(default)g)",
     )
     how.add_argument(
         "--max-shrinks",
@@ -175,7 +187,7 @@ def main(argv=None) -> int:
     if args.replay:
         from fuzz.case_file import main_replay
 
-        return main_replay(args.replay, args.backend)
+        return main_replay(args.replay, args.backend, args.case_timeout)
     from fuzz.campaign import run
     from harness.registry import DEFAULT_BACKEND
 

@@ -95,6 +95,7 @@ def run(args) -> int:
         failures_dir=str(args.failures_dir.resolve()),
         ledger=str(args.ledger.resolve()),
         threads=1 if not torch.cuda.is_available() else 0,
+        case_timeout=args.case_timeout,
     )
     bounds = [f"a time box of {args.minutes:g} min"] if budget is not None else []
     bounds += [f"{args.max_cases} drawn cases per target"] if args.max_cases is not None else []
@@ -108,7 +109,8 @@ def run(args) -> int:
         ctx.Process(
             target=worker_entry,
             args=(envs[i], dict(cfg, worker_id=i, max_cases=share(args.max_cases, n, i)), queue),
-            daemon=True,
+            # Not a daemon: a worker starts the child processes that run its cases (harness/isolation.py).
+            daemon=False,
         )
         for i in range(n)
     ]
@@ -152,7 +154,7 @@ def _listen(tally, queue, procs, start: float, budget: float | None, planned: in
     print(("\r" if tty else "") + line + ("\033[K" if tty else ""), file=sys.stderr, flush=True)
 
 
-def stale_ledger_entries(ledger: Ledger, notes: list[str]) -> list:
+def stale_ledger_entries(ledger: Ledger, notes: list[str], args) -> list:
     """Replays the ledger's wrong-answer entries whose implementation loads; (entry, why) of each that
     passes now. Entries of implementations that cannot be loaded here are noted, not replayed."""
     from harness import registry
@@ -164,13 +166,15 @@ def stale_ledger_entries(ledger: Ledger, notes: list[str]) -> list:
             available.add(backend)
         except Exception as exc:  # noqa: BLE001
             notes.append(f"ledger entries of {backend} not replayed: {type(exc).__name__}: {exc}")
-    replay = lambda path, backend: case_file.replay(path, backend_names.loadable(backend)).verdict
+    replay = lambda path, backend: (
+        case_file.replay(path, backend_names.loadable(backend), args.case_timeout).verdict
+    )
     return ledger.stale_entries(replay, available)
 
 
 def finish(args, name: str, tally: summary.Tally, elapsed: float, workers: int) -> int:
     """Ledger staleness check, FAILURE lines, the summary table and JSON; returns the exit code."""
-    stale = stale_ledger_entries(Ledger.load(args.ledger), tally.notes)
+    stale = stale_ledger_entries(Ledger.load(args.ledger), tally.notes, args)
     for note in tally.notes:
         _say(f"note: {note}")
     for target, reason in sorted(tally.unavailable.items()):
@@ -182,7 +186,7 @@ def finish(args, name: str, tally: summary.Tally, elapsed: float, workers: int) 
         print(f"first failing case after {tally.first_failure_s} s")
     for _, why in stale:
         print(f"STALE LEDGER ENTRY: {why}")
-    incomplete = any(n.startswith("INCOMPLETE") for n in tally.notes)
+    incomplete = any("INCOMPLETE" in n for n in tally.notes)
     nothing_ran = tally.total == 0 and set(args.target) <= set(tally.unavailable)
     failed = bool(tally.failures or tally.failed or stale or incomplete)
     code = 1 if failed else (NOTHING_TO_FUZZ if nothing_ran else 0)

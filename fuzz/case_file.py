@@ -92,12 +92,15 @@ class Replay(NamedTuple):
     verdict: object
 
 
-def replay(path, backend: str | None = None) -> Replay:
-    """Re-runs a saved case on the implementation the file names, or on `backend` when given."""
+def replay(path, backend: str | None = None, case_timeout: float | None = None) -> Replay:
+    """Re-runs a saved case, in a child process, on the implementation the file names (or `backend`).
+
+    A case that kills the child or overruns `case_timeout` comes back `crashed` or `hung`.
+    """
     import torch
 
     from fuzz import targets
-    from harness import registry
+    from harness import isolation, registry
     from harness.judge import Verdict
 
     data = load(path)
@@ -109,25 +112,34 @@ def replay(path, backend: str | None = None) -> Replay:
         return Replay(
             data, name, Verdict("unsupported", message=f"cannot load {name}: {type(exc).__name__}: {exc}")
         )
-    case = target.case_from_dict(data["case"])
     # A case outside what the implementation declares is refused by the judge itself (unsupported).
     reason = target.refusal(impl)
     if reason:
         return Replay(data, name, Verdict("unsupported", message=reason))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return Replay(data, name, targets.run_case(target, impl, case, device))
+    child = isolation.Isolated(name, device, case_timeout=case_timeout or isolation.DEFAULT_CASE_TIMEOUT_S)
+    try:
+        return Replay(data, name, child.run(data["target"], data["case"]))
+    finally:
+        child.close()
 
 
-def main_replay(path, backend: str | None = None) -> int:
-    """The `--replay` entry: prints the verdict; exit 1 when the case still fails (reproduced)."""
-    data, name, verdict = replay(path, backend)
+def main_replay(path, backend: str | None = None, case_timeout: float | None = None) -> int:
+    """The `--replay` entry: prints the verdict; exit 1 when the case still fails, crashes or hangs."""
+    data, name, verdict = replay(path, backend, case_timeout)
     print(f"replay {path}: target {data['target']}, backend {name}, dtype {data.get('dtype')}")
     if data.get("case_in_words"):
         print(f"  case:   {data['case_in_words']}")
     saved = data.get("verdict", {})
     print(f"  saved:  {saved.get('status')} ratio {saved.get('ratio')}  {saved.get('message', '')}")
     print(f"  now:    {verdict.status} ratio {verdict.ratio:.4g}  {verdict.message}")
-    if verdict.status == "failed":
+    if verdict.status == "crashed":
+        print("CRASHED: the case still kills its process or leaves the device unusable")
+        return REPRODUCED
+    if verdict.status == "hung":
+        print("HUNG: the case still runs past the per-case limit")
+        return REPRODUCED
+    if verdict.failed:
         print("REPRODUCED: the case still fails")
         return REPRODUCED
     if verdict.status == "unsupported":

@@ -16,42 +16,16 @@ dense and local-strided layers with cached contexts, so an implementation that d
 declare all of that makes the target unavailable (with the reason) instead of failing.
 """
 
-import dataclasses
 import math
 from types import SimpleNamespace
 
-from harness.cases import AttentionCase, EngineCase, LayoutSpec
+from harness.cases import EngineCase
 from harness.engine_check import compare_cold_warm
-from harness.judge import Verdict, crash
-from harness.registry import OPERATORS
+from harness.judge import Verdict, raised, unsupported
 from harness.strategies import engine_cases
 
 MODEL = "tiny"
 DTYPE = "float32"  # the equivalence allowance is float32's floor
-
-
-def _model_probe(page_size: int) -> AttentionCase:
-    """An attention case with the tiny model's geometry, layout and a cached context."""
-    from engine.model import ModelArgs
-
-    args = ModelArgs.from_name(MODEL)
-    layout = LayoutSpec(
-        kind="local_strided",
-        block_size=args.sparse_block_size,
-        local_blocks=args.local_blocks,
-        vert_stride=args.vert_stride,
-    )
-    return AttentionCase(
-        seed=0,
-        seq_lens=(2,),
-        query_lens=(1,),
-        num_heads=args.n_heads,
-        num_kv_heads=args.n_kv_heads,
-        head_dim=args.head_dim,
-        page_size=page_size,
-        dtype=DTYPE,
-        layout=layout,
-    )
 
 
 class EngineTarget:
@@ -61,18 +35,13 @@ class EngineTarget:
 
     def refusal(self, impl) -> str | None:
         """Why the engine cannot run on `impl`: a missing operator, or a capability it does not declare."""
-        missing = [op for op in OPERATORS if not impl.provides(op)]
-        if missing:
-            return f"{impl.name} provides no {', '.join(missing)}; the engine needs all three operators"
-        caps = impl.capabilities
-        probe = _model_probe((caps.page_sizes or (16,))[0])
-        dense = LayoutSpec(kind="dense", block_size=probe.layout.block_size)
-        for case in (probe, dataclasses.replace(probe, layout=dense)):
-            for op in OPERATORS:
-                why = caps.refuses(case, op)
-                if why:
-                    return f"the engine's tiny model needs what {impl.name} does not declare: {why}"
-        return None
+        from engine.model import ModelArgs
+        from engine.model_runner import backend_refusal
+
+        why = backend_refusal(
+            impl, ModelArgs.from_name(MODEL), DTYPE, (impl.capabilities.page_sizes or (16,))[0]
+        )
+        return None if why is None else f"{impl.name} {why}"
 
     def dtypes(self, impl, requested) -> tuple[str, ...]:
         return (DTYPE,) if DTYPE in impl.capabilities.dtypes and (not requested or DTYPE in requested) else ()
@@ -101,9 +70,9 @@ class EngineTarget:
             cold = engine_runs(case, impl.name, device, caching=False)
             warm = engine_runs(case, impl.name, device, caching=True)
         except NotImplementedError as exc:
-            return Verdict("unsupported", message=f"NotImplementedError: {exc}")
-        except Exception as exc:  # noqa: BLE001  (any crash of the engine or the implementation is a finding)
-            return crash(exc)
+            return unsupported(exc)
+        except Exception as exc:  # noqa: BLE001  (any exception of the engine or the implementation is a finding)
+            return raised(exc, device)
         worst = 0.0
         for k, (c, w) in enumerate(zip(cold, warm, strict=True)):
             result = compare_cold_warm(c, w)

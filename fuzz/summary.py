@@ -2,10 +2,12 @@
 FAILURE lines and the summary (printed as a table and as JSON).
 
 Counts are kept per target and dtype and per status. The statuses are: `passed`, `failed` (a new
-failure), `unsupported` (the implementation raised NotImplementedError, or ValueError on a valid
-case, contract §9), `known` (a failure covered by a ledger entry) and `skipped` (a ledger crash entry:
-never launched). The worst ratio is contract §5's worst gate ratio, error / allowed error over the
-max and mean gates of every judged output; <= 1 passes.
+wrong answer, exception or rejected valid input), `crashed` (the case killed its process or left the
+device unusable), `hung` (it overran the per-case limit), `unsupported` (the implementation raised
+NotImplementedError, contract §9), `known` (a failure covered by a ledger entry) and `skipped` (a
+ledger crash entry: never launched). `failed`, `crashed` and `hung` are failures. The worst ratio
+is contract §5's worst gate ratio, error / allowed error over the max and mean gates of every
+judged output; <= 1 passes.
 
 Imports nothing heavy: the parent uses it before and while the workers run.
 """
@@ -14,7 +16,8 @@ import math
 import time
 from collections import defaultdict
 
-STATUSES = ("passed", "failed", "unsupported", "known", "skipped")
+STATUSES = ("passed", "failed", "unsupported", "crashed", "hung", "known", "skipped")
+FAILURE_STATUSES = ("failed", "crashed", "hung")
 WORST_RATIO = "worst ratio = contract §5's worst gate ratio, error / allowed error (<= 1 passes)"
 BAR_WIDTH = 20
 
@@ -42,7 +45,7 @@ class Tally:
         if kind == "case":
             target, dtype, ratio, status = rest
             self.counts[target][dtype][status] += 1
-            if status == "failed" and self.first_failure_s is None:
+            if status in FAILURE_STATUSES and self.first_failure_s is None:
                 self.first_failure_s = round(time.time() - self.start, 1)
             if status in ("passed", "failed", "known"):
                 self.worst[target][dtype] = max(self.worst[target].get(dtype, 0.0), ratio)
@@ -76,7 +79,8 @@ class Tally:
 
     @property
     def failed(self) -> int:
-        return sum(self.status_counts(t)["failed"] for t in self.counts)
+        """Failures of every kind (wrong answers, crashes, hangs)."""
+        return sum(self.status_counts(t)[s] for t in self.counts for s in FAILURE_STATUSES)
 
     def worst_overall(self) -> tuple[float, str]:
         best = (0.0, "-")
@@ -117,8 +121,9 @@ def progress_line(tally: Tally, elapsed: float, budget: float | None, planned: i
 
 def failure_text(failure: dict, backend: str, replay_command: str) -> str:
     """The FAILURE lines of one saved failure: the shrunk case in words, its errors, the replay."""
+    kind = {"crashed": "CRASH", "hung": "HANG"}.get(failure.get("status"), "FAILURE")
     lines = [
-        f"FAILURE {failure['target']} ({backend}, {failure['dtype']}): {failure['case']}",
+        f"{kind} {failure['target']} ({backend}, {failure['dtype']}): {failure['case']}",
         f"  error:  {failure['errors']}",
     ]
     if failure["message"] not in failure["errors"]:

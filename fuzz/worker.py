@@ -1,5 +1,11 @@
 """One campaign worker: hypothesis drives the draws, shrinks each failure, and the case is saved.
 
+The worker is a driver: it never calls the implementation itself. Every case runs in a child process
+(harness/isolation.py), so a case that kills its process, leaves the device unusable or overruns the
+per-case limit (`case_timeout`) is a failure like any other (`crashed`, `hung`): its case file is
+written at once, before any shrinking, then hypothesis shrinks it with each candidate in a fresh
+child (bounded by CRASH_SHRINK_S of wall time), and the campaign goes on with a new child.
+
 The worker loads the implementation by its registry name itself (it is a spawned process), then runs
 `@given` in short chunks (a fresh seed each), rotating over its targets and, within a target, over
 the dtypes to draw: each chunk draws with ONE dtype fixed, so the shrinker can never move a failure
@@ -28,10 +34,13 @@ from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings
 from fuzz import backend_names, case_file, targets
 from fuzz.ledger import Ledger
 from harness import registry
+from harness.isolation import DEFAULT_CASE_TIMEOUT_S, InProcess, Isolated
 from harness.judge import Verdict
 
 CHUNK_EXAMPLES = 8  # draws per @given run, before rotating to the next target
 MEMO_LIMIT = 20_000
+# Shrinking a crash or a hang restarts a child per failing candidate: at most this long per failure.
+CRASH_SHRINK_S = 90.0
 # A target whose chunks keep drawing nothing new (a filter nothing passes, an exhausted space) stops.
 MAX_IDLE_CHUNKS = 20
 
@@ -56,7 +65,13 @@ class Worker:
         self.drawn: dict[str, int] = defaultdict(int)
         self.failures: dict[str, int] = defaultdict(int)
         self.shrink_runs = 0
+        self.shrink_deadline = None  # wall-clock end of a crash's shrink
         self.impl = None
+        # cfg["in_process"]: the suite's own tests that patch the engine in place run without a child.
+        runner = InProcess if cfg.get("in_process") else Isolated
+        self.isolated = runner(
+            self.name, self.device, case_timeout=cfg.get("case_timeout") or DEFAULT_CASE_TIMEOUT_S
+        )
 
     def send(self, *msg) -> None:
         self.queue.put((self.cfg["worker_id"], *msg))
@@ -68,6 +83,12 @@ class Worker:
         return self.quota is not None and self.drawn[target.name] >= self.quota
 
     def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            self.isolated.close()
+
+    def _run(self) -> None:
         try:
             self.impl = registry.load(backend_names.loadable(self.name))
         except Exception as exc:  # noqa: BLE001  (whatever the user's module raises on import)
@@ -115,6 +136,8 @@ class Worker:
         if shrinking:
             if self.max_shrinks is not None and self.shrink_runs >= self.max_shrinks:
                 return None
+            if self.shrink_deadline is not None and time.time() >= self.shrink_deadline:
+                return None
             self.shrink_runs += 1
         else:
             if self.time_over() or self.quota_reached(target):
@@ -124,8 +147,8 @@ class Worker:
         if entry is not None and entry.kind == "crash":
             verdict = Verdict("skipped", message=f"ledger entry {entry.id} (crash): not launched")
         else:
-            verdict = targets.run_case(target, self.impl, case, self.device)
-            if entry is not None and verdict.status == "failed":
+            verdict = self.isolated.run(target.name, case.to_dict())
+            if entry is not None and verdict.failed:
                 verdict = Verdict("known", verdict.ratio, f"ledger entry {entry.id}: {verdict.message}")
         verdict.outputs = None  # the memo keeps verdicts, not tensors
         if len(self.memo) < MEMO_LIMIT:
@@ -154,9 +177,13 @@ class Worker:
         @given(case=strategy)
         def test(case):
             verdict = self.check(target, case, shrinking=bool(found))
-            if verdict is not None and verdict.status == "failed":
+            if verdict is not None and verdict.failed:
                 if not found:
                     self.send("shrinking", target.name)
+                    if verdict.status in ("crashed", "hung"):
+                        # Saved before anything else; the shrunk case replaces it when smaller.
+                        found["first"] = self.save(target, case, verdict, report=False)
+                        self.shrink_deadline = time.time() + CRASH_SHRINK_S
                 found["case"], found["verdict"] = case, verdict
                 raise _Found(verdict.message)
 
@@ -165,12 +192,17 @@ class Worker:
         except _Found:
             pass
         except Exception as exc:  # noqa: BLE001  (hypothesis errors must not end the campaign)
-            self.send("note", target.name, f"hypothesis error: {type(exc).__name__}: {exc}")
+            # The chunk's cases were not all judged: the run cannot claim it found nothing.
+            self.send("note", target.name, f"INCOMPLETE: hypothesis error: {type(exc).__name__}: {exc}")
+        self.shrink_deadline = None
         if found:
-            self.save(target, found["case"], found["verdict"])
+            path = self.save(target, found["case"], found["verdict"])
+            if found.get("first") not in (None, path):
+                found["first"].unlink(missing_ok=True)
         return self.drawn[target.name] - before
 
-    def save(self, target, case, verdict) -> None:
+    def save(self, target, case, verdict, report: bool = True):
+        """Writes the case file (and, with `report`, tells the parent); returns its path."""
         words = target.describe(case)
         path = case_file.save(
             self.cfg["failures_dir"],
@@ -182,8 +214,10 @@ class Worker:
             verdict=verdict,
             device=self.device,
         )
+        if not report:
+            return path
         self.failures[target.name] += 1
-        report = dict(
+        failure = dict(
             target=target.name,
             dtype=target.dtype_of(case),
             file=str(path),
@@ -191,8 +225,10 @@ class Worker:
             errors=targets.errors_in_words(verdict),
             message=verdict.message,
             ratio=verdict.ratio,
+            status=verdict.status,
         )
-        self.send("failure", report)
+        self.send("failure", failure)
+        return path
 
 
 def main(cfg: dict, queue) -> None:

@@ -46,27 +46,33 @@ class NonFinite:
     nan_rows: frozenset = frozenset()  # (token, head) rows that see the planted value
 
 
-def valid_prefill_args(device, dtype=torch.float32) -> dict:
+def valid_prefill_args(device, dtype=torch.float32, context: bool = True) -> dict:
     """A small valid `paged_prefill` call: 2 sequences, page size 4, 4 query heads over 2 KV heads.
 
     Sequence 0: 6 tokens in pages 0, 1 (table padding holds 7, past the 6 pages), queries at positions
     4, 5 (tokens 0, 1). Sequence 1: 9 tokens in pages 2, 3, 4, queries at 6, 7, 8 (tokens 2, 3, 4).
-    Page 5 is unused. Query heads 0, 1 read KV head 0; heads 2, 3 read KV head 1.
+    Page 5 is unused. Query heads 0, 1 read KV head 0; heads 2, 3 read KV head 1. Without `context`
+    every position is a query (tokens 0-5 and 6-14), for implementations that declare no cached
+    context (contract §9); `nan_rows` of the table describe the call with context.
     """
     gen = torch.Generator().manual_seed(0)
     cache = lambda: torch.randn(6, 4, 2, 8, generator=gen).to(device, dtype)
+    starts = [0, 2, 5] if context else [0, 6, 15]
     return dict(
-        q=torch.randn(5, 4, 8, generator=gen).to(device, dtype),
+        q=torch.randn(starts[-1], 4, 8, generator=gen).to(device, dtype),
         k_cache=cache(),
         v_cache=cache(),
         block_tables=torch.tensor([[0, 1, 7], [2, 3, 4]], dtype=torch.int32, device=device),
         seq_lens=torch.tensor([6, 9], dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor([0, 2, 5], dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
     )
 
 
-def valid_decode_args(device, dtype=torch.float32) -> dict:
-    """The prefill call's sequences with one query each: positions 5 and 8 (tokens 0 and 1)."""
+def valid_decode_args(device, dtype=torch.float32, context: bool = True) -> dict:
+    """The prefill call's sequences with one query each: positions 5 and 8 (tokens 0 and 1).
+
+    (A decode query always has its sequence's earlier tokens as context; `context` is ignored.)
+    """
     args = valid_prefill_args(device, dtype)
     del args["query_start_loc"]
     args["q"] = args["q"][:2].clone()
@@ -241,7 +247,9 @@ PREFILL_REJECTED = ATTENTION_REJECTED + [
     ),
     (
         "query_start_loc-non-monotonic",
-        _set_args("query_start_loc", lambda a: _with(a["query_start_loc"], 1, 6)),
+        _set_args(
+            "query_start_loc", lambda a: _with(a["query_start_loc"], 1, int(a["query_start_loc"][2]) + 1)
+        ),
         ValueError,
         "query_start_loc",
     ),
@@ -417,59 +425,64 @@ def _oracle_inputs(op: str, args: dict) -> dict:
     return inputs
 
 
-def check(op: str, entry, fn, device, *, dtype=torch.float32, with_lse: bool = True) -> str:
-    """Runs one table entry against a twin's operator `fn`; AssertionError on a violation.
+def check(op: str, entry, impl, device):
+    """Runs one table entry against the implementation's operator `op`: a `harness.judge.Verdict`.
 
-    The valid call is built in `dtype` (one the implementation declares). Returns what happened:
+    The valid call is built in a dtype the implementation declares (`table_dtype`), without a
+    cached context when it declares none. Passed verdicts say what happened in `message`:
     "rejected", "same" (a view gave the contiguous result), "refused" (a view was refused with a
-    ValueError naming it) or "judged" (a non-finite case passed the NaN rule).
+    ValueError naming it) or "judged" (a non-finite case passed the NaN rule). NotImplementedError
+    makes the entry unsupported (contract §9); any other departure from the entry's rule fails it.
     """
-    from harness.judge import judge_outputs, judge_write_kv, oracle_and_base, same_bits
+    from harness.judge import Verdict, guarded_call, judge_outputs, judge_write_kv, oracle, raised, same_bits
 
-    args = VALID_ARGS[op](device, dtype)
+    caps, fn = impl.capabilities, impl.op(op)
+    dtype, with_lse = table_dtype(caps), caps.lse and op != "write_kv"
+    build = lambda: VALID_ARGS[op](device, dtype, **({} if op == "write_kv" else {"context": caps.context}))
+    failed = lambda why: Verdict("failed", math.inf, f"{op} [{entry.id}]: {why}")
+    args = build()
     entry.mutate(args)
     if isinstance(entry, Rejected):
         try:
-            _call(op, fn, args, with_lse=False)
+            guarded_call(lambda: _call(op, fn, args, with_lse=False), device)
         except entry.error as exc:
             if entry.text not in str(exc):
-                raise AssertionError(
-                    f"{op} [{entry.id}]: the {type(exc).__name__} does not name {entry.text!r}: {exc}"
-                ) from exc
-            return "rejected"
-        except Exception as exc:
-            raise AssertionError(
-                f"{op} [{entry.id}]: expected {entry.error.__name__}, got {type(exc).__name__}: {exc}"
-            ) from exc
-        raise AssertionError(
-            f"{op} [{entry.id}]: accepted bad input (expected {entry.error.__name__} naming {entry.text!r})"
-        )
-    if isinstance(entry, View):
-        plain = VALID_ARGS[op](device, dtype)
-        want = _call(op, fn, plain, with_lse)
-        try:
-            got = _call(op, fn, args, with_lse)
-        except ValueError as exc:
-            if entry.argument not in str(exc):
-                raise AssertionError(
-                    f"{op} [{entry.id}]: refused the view without naming {entry.argument!r}: {exc}"
-                ) from exc
-            return "refused"
-        for name, w, g in zip(("first output", "second output"), want, got, strict=True):
-            if w is not None and not same_bits(w, g):
-                raise AssertionError(
-                    f"{op} [{entry.id}]: the {name} through the view differs from the contiguous call's"
-                )
-        return "same"
-    if op == "write_kv":
-        verdict = judge_write_kv(SimpleWriter(fn), args)
-    else:
-        outputs = _call(op, fn, {k: v.clone() for k, v in args.items()}, with_lse)
-        q = args["q"]
-        verdict = judge_outputs(op, outputs, oracle_and_base(_oracle_inputs(op, args)), q.dtype, q.shape)
-    if verdict.status == "failed":
-        raise AssertionError(f"{op} [{entry.id}]: {verdict.message}")
-    return "judged"
+                return failed(f"the {type(exc).__name__} does not name {entry.text!r}: {exc}")
+            return Verdict("passed", message="rejected")
+        except Exception as exc:  # noqa: BLE001
+            return failed(f"expected {entry.error.__name__}, got {type(exc).__name__}: {exc}")
+        return failed(f"accepted bad input (expected {entry.error.__name__} naming {entry.text!r})")
+    try:
+        if isinstance(entry, View):
+            plain = build()
+            want = guarded_call(lambda: _call(op, fn, plain, with_lse), device)
+            try:
+                got = guarded_call(lambda: _call(op, fn, args, with_lse), device)
+            except ValueError as exc:
+                if entry.argument not in str(exc):
+                    return failed(f"refused the view without naming {entry.argument!r}: {exc}")
+                return Verdict("passed", message="refused")
+            for name, w, g in zip(("first output", "second output"), want, got, strict=True):
+                if w is not None and not same_bits(w, g):
+                    return failed(f"the {name} through the view differs from the contiguous call's")
+            return Verdict("passed", message="same")
+        if op == "write_kv":
+            verdict = judge_write_kv(SimpleWriter(fn), args)
+        else:
+            outputs = guarded_call(
+                lambda: _call(op, fn, {k: v.clone() for k, v in args.items()}, with_lse), device
+            )
+            q = args["q"]
+            verdict = judge_outputs(op, outputs, oracle(_oracle_inputs(op, args)), q.dtype, q.shape)
+    except NotImplementedError as exc:
+        return Verdict("unsupported", message=f"NotImplementedError: {exc}")
+    except Exception as exc:  # noqa: BLE001
+        verdict = raised(exc, device)
+    if verdict.failed:
+        return Verdict(verdict.status, verdict.ratio, f"{op} [{entry.id}]: {verdict.message}", verdict.stats)
+    return (
+        verdict if verdict.status != "passed" else Verdict("passed", verdict.ratio, "judged", verdict.stats)
+    )
 
 
 class SimpleWriter:

@@ -62,9 +62,13 @@ class LayoutSpec:
             return "dense causal"
         if self.kind == "local_strided":
             heads = "homo" if self.homo_head else "per-head columns"
+            shard = ""
+            if self.num_heads_total is not None or self.head_offset:
+                total = "all" if self.num_heads_total is None else self.num_heads_total
+                shard = f", shard: heads from {self.head_offset} of {total}"
             return (
                 f"local_strided S={self.block_size} local={self.local_blocks} stride={self.vert_stride} "
-                f"({heads})"
+                f"({heads}{shard})"
             )
         return f"block_mask S={self.block_size} density={self.density:g}"
 
@@ -104,10 +108,13 @@ class AttentionCase:
         """The case in words: contexts (and whether each is a multiple of the sparse block), queries,
         heads, head dim, page size, layout, dtype and scale."""
         size = self.layout.block_size
-        contexts = ", ".join(
-            f"{c} ({'a multiple' if c % size == 0 else 'not a multiple'} of S={size})"
-            for c in self.context_lens
-        )
+        if self.layout.kind == "dense":
+            contexts = ", ".join(str(c) for c in self.context_lens)
+        else:
+            contexts = ", ".join(
+                f"{c} ({'a multiple' if c % size == 0 else 'not a multiple'} of S={size})"
+                for c in self.context_lens
+            )
         return (
             f"{len(self.seq_lens)} sequence(s): context {contexts}; queries {list(self.query_lens)}; "
             f"heads {self.num_heads}/{self.num_kv_heads} kv, head_dim {self.head_dim}, page size "

@@ -1,43 +1,43 @@
-"""NaN poisoning: tensors an implementation allocates start as NaN, so an output it forgets to write
-fails the tolerance rule instead of passing by luck (STYLE 15).
+"""Poisoning of fresh allocations: an output an implementation forgets to write fails, never passes by
+luck (STYLE 15, contract §5).
 
-Only allocations made from a frame inside the implementation's own code (`Implementation.sources`)
-are poisoned; the caller's inputs are untouched.
+While an implementation runs, every empty-family allocation (`torch.empty`, `empty_like`,
+`empty_strided`, `Tensor.new_empty`, `Tensor.new_empty_strided`) is filled, whoever makes it: the
+adapter, a kernel package it calls, torch itself through Python. A `TorchFunctionMode` sees them all.
+Floating and complex tensors are filled with NaN; integer tensors with their dtype's largest value
+(as a page id or an index it lies far out of range); bool tensors are left alone.
 """
 
-import contextlib
 import math
-import os
-import pathlib
-import sys
 
 import torch
+from torch.overrides import TorchFunctionMode
+
+EMPTY_FAMILY = frozenset(
+    {
+        torch.empty,
+        torch.empty_like,
+        torch.empty_strided,
+        torch.Tensor.new_empty,
+        torch.Tensor.new_empty_strided,
+    }
+)
 
 
-def _poisoning(alloc, folders: tuple[str, ...], files: frozenset):
-    def wrapper(*args, **kwargs):
-        t = alloc(*args, **kwargs)
-        # Frame 0 is this wrapper, 1 its caller.
-        caller = str(pathlib.Path(sys._getframe(1).f_code.co_filename).resolve())
-        if t.is_floating_point() and (caller in files or caller.startswith(folders)):
-            t.fill_(math.nan)
-        return t
-
-    return wrapper
+def poison(t: torch.Tensor) -> None:
+    """Fills a fresh tensor in place with its poison value (NaN, or the integer dtype's maximum)."""
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        t.fill_(math.nan)
+    elif t.dtype != torch.bool:
+        t.fill_(torch.iinfo(t.dtype).max)
 
 
-@contextlib.contextmanager
-def poison_allocations(sources):
-    """Within the block, torch.empty / empty_like / Tensor.new_empty called from `sources` fill NaN."""
-    paths = [pathlib.Path(s).resolve() for s in sources]
-    folders = tuple(str(p) + os.sep for p in paths if p.is_dir())
-    files = frozenset(str(p) for p in paths if not p.is_dir())
-    if not folders and not files:
-        yield
-        return
-    saved = torch.empty, torch.empty_like, torch.Tensor.new_empty
-    torch.empty, torch.empty_like, torch.Tensor.new_empty = (_poisoning(a, folders, files) for a in saved)
-    try:
-        yield
-    finally:
-        torch.empty, torch.empty_like, torch.Tensor.new_empty = saved
+class poison_allocations(TorchFunctionMode):
+    """`with poison_allocations(): impl.paged_prefill(...)`: every empty-family allocation made inside
+    the block starts poisoned (the inputs, made before, are untouched)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if func in EMPTY_FAMILY and isinstance(result, torch.Tensor) and result.device.type != "meta":
+            poison(result)
+        return result

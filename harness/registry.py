@@ -124,8 +124,6 @@ class Implementation:
     paged_prefill: Callable | None
     paged_decode: Callable | None
     capabilities: Capabilities = Capabilities()
-    # Files or folders holding its code: allocations made there are NaN-poisoned in tests.
-    sources: tuple[str, ...] = ()
     description: str = ""
     planners: dict = field(default_factory=dict)  # "plan_prefill" / "plan_decode" -> callable
 
@@ -148,7 +146,7 @@ def _own_doc(obj) -> str:
     """The object's own docstring: an instance (a SimpleNamespace, say) does not inherit its class's."""
     if inspect.ismodule(obj):
         return ""
-    if not (inspect.isclass(obj) or inspect.isroutine(obj)) and obj.__doc__ is type(obj).__doc__:
+    if not (inspect.isclass(obj) or inspect.isroutine(obj)) and obj.__doc__ == type(obj).__doc__:
         return ""
     return inspect.getdoc(obj) or ""
 
@@ -195,8 +193,13 @@ BUILTINS = {
 
 
 def _load_file(path: pathlib.Path):
+    """The module of an implementation file. Its folder is appended to sys.path first, so that the
+    file can import modules beside it; appended, so that this repository's own package names
+    (reference, kernels, harness, ...) are never shadowed by a file of the same name there."""
     if not path.is_file():
         raise ValueError(f"implementation file {path} does not exist")
+    if str(path.parent) not in sys.path:
+        sys.path.append(str(path.parent))
     digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
     module_name = f"_implementation_{path.stem}_{digest}"
     if module_name in sys.modules:
@@ -206,16 +209,6 @@ def _load_file(path: pathlib.Path):
     sys.modules[module_name] = module  # before exec: dataclasses and pickling look it up
     spec.loader.exec_module(module)
     return module
-
-
-def _sources_of(obj, module) -> tuple[str, ...]:
-    """Where the object's code lives: its module's package folder, or its module file."""
-    target = module if module is not None else inspect.getmodule(obj)
-    path = getattr(target, "__file__", None)
-    if path is None:
-        return ()
-    path = pathlib.Path(path).resolve()
-    return (str(path.parent if path.name == "__init__.py" else path),)
 
 
 def load(name: str) -> Implementation:
@@ -229,7 +222,6 @@ def load(name: str) -> Implementation:
     if name in BUILTINS:
         loader, description = BUILTINS[name]
         obj, caps = loader()
-        module = obj if inspect.ismodule(obj) else None
     elif ":" in name:
         where, _, attr = name.rpartition(":")
         if where.endswith(".py") or "/" in where or "\\" in where:
@@ -261,7 +253,6 @@ def load(name: str) -> Implementation:
         name=name,
         **ops,
         capabilities=Capabilities.from_mapping(caps, f"implementation {name!r}"),
-        sources=_sources_of(obj, module),
         description=description,
         planners=planners,
     )

@@ -8,6 +8,7 @@ import math
 
 import torch
 
+from reference.error_bound import attention_bounds
 from reference.validation import PagedBatch, PlanGuard, validate_paged_prefill
 
 
@@ -27,8 +28,12 @@ def gather_pages(cache: torch.Tensor, pages: torch.Tensor, seq_len: int) -> torc
     return cache[used].reshape(-1, *cache.shape[2:])[:seq_len]
 
 
-def masked_softmax_attention(q, k, v, mask, scale: float, compute_dtype: torch.dtype):
-    """softmax(scale * q k^T with -inf where ~mask) v, all arithmetic in `compute_dtype`.
+# Rows of one float64 block of the oracle: [num_heads, rows, num_keys] stays near 64 MiB per tensor.
+BLOCK_ELEMENTS = 2**23
+
+
+def masked_softmax_attention(q, k, v, mask, scale: float, model=None, lams=()):
+    """softmax(scale * q k^T with -inf where ~mask) v in float64, and optionally its allowances.
 
     Args:
         q (torch.Tensor):
@@ -37,11 +42,14 @@ def masked_softmax_attention(q, k, v, mask, scale: float, compute_dtype: torch.d
             [num_keys, num_kv_heads, head_dim]; KV head j serves query heads j*G .. j*G+G-1.
         mask (torch.Tensor):
             bool [num_heads, num_queries, num_keys], True where the key is visible.
+        model (RoundingModel | None), lams (tuple[float, ...]):
+            With a model, also the allowances of contract §5 (reference/error_bound.py) at each lam.
     Returns:
-        out [num_queries, num_heads, head_dim] and lse [num_queries, num_heads] (natural log), both
-        in `compute_dtype`. A row with no visible key (decided by `mask` alone) gives out 0 and lse
-        -inf. A row whose query, or the K or V of a key it sees, holds NaN or Inf gives NaN in every
-        element of out and in lse; such values never reach a row that does not see them.
+        out float64 [num_queries, num_heads, head_dim], lse float64 [num_queries, num_heads]
+        (natural log) and a list of (out_bound, lse_bound) of the same shapes, one per lam. A row
+        with no visible key (decided by `mask` alone) gives out 0 and lse -inf (bounds 0). A row whose
+        query, or the K or V of a key it sees, holds NaN or Inf gives NaN in every element of out
+        and in lse; such values never reach a row that does not see them.
     """
     group = q.shape[1] // k.shape[1]
     mask = mask.to(q.device)
@@ -49,34 +57,38 @@ def masked_softmax_attention(q, k, v, mask, scale: float, compute_dtype: torch.d
     q_bad = ~torch.isfinite(q).all(-1)
     kv_bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))
     # The arithmetic runs on zeroed copies, so that 0 * NaN of an unseen key cannot leak into a row.
-    q, k, v = (torch.where(torch.isfinite(t), t, torch.zeros_like(t)).to(compute_dtype) for t in (q, k, v))
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    # [num_heads, num_queries, num_keys]
-    scores = torch.einsum("qhd,khd->hqk", q, k) * torch.tensor(scale, dtype=compute_dtype)
+    # [num_heads, num_queries or num_keys, head_dim]
+    q, k, v = (
+        torch.where(torch.isfinite(t), t, torch.zeros_like(t)).double().transpose(0, 1) for t in (q, k, v)
+    )
+    k = k.repeat_interleave(group, dim=0)
+    v = v.repeat_interleave(group, dim=0)
+    scores = torch.einsum("hqd,hkd->hqk", q, k) * scale
     scores = scores.masked_fill(~mask, -math.inf)
     # [num_heads, num_queries, 1]
     has_key = mask.any(dim=-1, keepdim=True)
     row_max = (
-        scores.amax(dim=-1, keepdim=True)
-        if scores.shape[-1]
-        else torch.zeros_like(has_key, dtype=scores.dtype)
+        scores.amax(dim=-1, keepdim=True) if scores.shape[-1] else torch.zeros_like(has_key, dtype=q.dtype)
     )
     # An empty row has max -inf; pivot it at 0 so that exp gives 0 rather than NaN.
     pivot = torch.where(has_key, row_max, torch.zeros_like(row_max))
     weights = torch.exp(scores - pivot)
     denom = weights.sum(dim=-1, keepdim=True)
-    numer = torch.einsum("hqk,khd->hqd", weights, v)
     safe = torch.where(has_key, denom, torch.ones_like(denom))
-    out = torch.where(has_key, numer / safe, torch.zeros_like(numer))
-    lse = torch.where(has_key, pivot + torch.log(safe), torch.full_like(pivot, -math.inf)).squeeze(-1)
+    probs = weights / safe
+    out = torch.einsum("hqk,hkd->hqd", probs, v)
+    lse = torch.where(has_key, pivot + torch.log(safe), torch.full_like(pivot, -math.inf))
+    bounds = [
+        attention_bounds(q, k, v, mask, scale, scores, probs, out, pivot, lse, model, lam) for lam in lams
+    ]
     # [num_heads, num_queries]: rows that see a non-finite input
     bad = q_bad.transpose(0, 1) | (
         mask & kv_bad.repeat_interleave(group, dim=1).transpose(0, 1)[:, None, :]
     ).any(-1)
     out = out.masked_fill(bad[..., None], math.nan)
-    lse = lse.masked_fill(bad, math.nan)
-    return out.permute(1, 0, 2), lse.permute(1, 0)
+    lse = lse.squeeze(-1).masked_fill(bad, math.nan)
+    bounds = [(ob.permute(1, 0, 2), lb.squeeze(-1).permute(1, 0)) for ob, lb in bounds]
+    return out.permute(1, 0, 2), lse.permute(1, 0), bounds
 
 
 def token_mask(layout, num_heads: int, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
@@ -87,40 +99,30 @@ def token_mask(layout, num_heads: int, q_pos: torch.Tensor, k_pos: torch.Tensor)
     return layout.token_mask(num_heads, q_pos, k_pos)
 
 
-def prefill_in_dtype(
-    batch: PagedBatch,
-    q,
-    k_cache,
-    v_cache,
-    block_tables,
-    layout,
-    compute_dtype: torch.dtype,
-    *,
-    cast_outputs: bool = True,
-):
-    """The oracle's computation for a validated batch, in `compute_dtype`.
+def prefill_float64(batch: PagedBatch, q, k_cache, v_cache, block_tables, layout, model=None, lams=()):
+    """The oracle's computation for a validated batch, in float64, unrounded.
 
-    The test suite uses it twice: in float64 with `cast_outputs=False` (the unrounded oracle) and in
-    the input dtype (the `base` of the tolerance rule, contract §5). Returns:
-    out [num_tokens, num_heads, head_dim] and lse [num_tokens, num_heads], in q's dtype and float32
-    when `cast_outputs`, else in `compute_dtype`.
+    Returns out [num_tokens, num_heads, head_dim] and lse [num_tokens, num_heads] float64, and with a
+    `model` (reference/error_bound.py) a list of (out_bound, lse_bound), one per lam, of the same shapes.
     """
-    out_dtype, lse_dtype = (q.dtype, torch.float32) if cast_outputs else (compute_dtype, compute_dtype)
-    out = torch.zeros(q.shape, dtype=out_dtype, device=q.device)
-    lse = torch.full(q.shape[:2], -math.inf, dtype=lse_dtype, device=q.device)
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float64, device=q.device)
+    bounds = [(torch.zeros_like(out), torch.zeros_like(lse)) for _ in lams]
     for b, seq_len in enumerate(batch.seq_lens):
         start, end = batch.query_starts[b], batch.query_starts[b + 1]
-        if end == start:
-            continue
         context = seq_len - (end - start)
         k = gather_pages(k_cache, block_tables[b], seq_len)
         v = gather_pages(v_cache, block_tables[b], seq_len)
-        q_pos = torch.arange(context, seq_len)
-        mask = token_mask(layout, batch.num_heads, q_pos, torch.arange(seq_len))
-        o, s = masked_softmax_attention(q[start:end], k, v, mask, batch.scale, compute_dtype)
-        out[start:end] = o.to(out_dtype)
-        lse[start:end] = s.to(lse_dtype)
-    return out, lse
+        rows = max(1, BLOCK_ELEMENTS // max(1, batch.num_heads * seq_len))
+        for lo in range(start, end, rows):
+            hi = min(end, lo + rows)
+            q_pos = torch.arange(context + lo - start, context + hi - start)
+            mask = token_mask(layout, batch.num_heads, q_pos, torch.arange(seq_len))
+            o, s, bs = masked_softmax_attention(q[lo:hi], k, v, mask, batch.scale, model, lams)
+            out[lo:hi], lse[lo:hi] = o, s
+            for (ob, lb), (o_b, l_b) in zip(bounds, bs, strict=True):
+                ob[lo:hi], lb[lo:hi] = o_b, l_b
+    return out, lse, bounds
 
 
 class ReferencePlan:
@@ -136,9 +138,8 @@ class ReferencePlan:
     def run(self, q, k_cache, v_cache):
         """out in q's dtype; with return_lse also lse float32 (as `paged_prefill`)."""
         self.guard.check(q=q, k_cache=k_cache, v_cache=v_cache)
-        out, lse = prefill_in_dtype(
-            self.batch, q, k_cache, v_cache, self.block_tables, self.layout, torch.float64
-        )
+        out, lse, _ = prefill_float64(self.batch, q, k_cache, v_cache, self.block_tables, self.layout)
+        out, lse = out.to(q.dtype), lse.float()
         return (out, lse) if self.return_lse else out
 
 

@@ -162,10 +162,11 @@ def _check_metadata(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
             f"query_start_loc must start at 0 and end at num_tokens ({q.shape[0]}), "
             f"got {starts[0]} .. {starts[-1]}"
         )
-    for b in range(len(lens)):
-        q_len = starts[b + 1] - starts[b]
+    q_lens = [starts[b + 1] - starts[b] for b in range(len(lens))]
+    for b, q_len in enumerate(q_lens):
         if q_len < 0:
             raise ValueError(f"query_start_loc must be non-decreasing, it falls at index {b + 1}")
+    for b, q_len in enumerate(q_lens):
         if lens[b] < q_len:
             raise ValueError(f"seq_lens[{b}] ({lens[b]}) is smaller than its query count ({q_len})")
     _check_block_tables(table, lens, page_size, num_pages)

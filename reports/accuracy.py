@@ -72,20 +72,23 @@ def summary_rows(runner: Runner, p: Profile, impls: dict) -> list[dict]:
 def curves(runner: Runner, p: Profile, impls: dict) -> dict:
     """Error of prefill against sequence length, sparsity and cached-prefix share, in p.curve_dtype.
 
-    Returns {sweep: {layout kind: {"x": [...], "base": [...], "implementations": {name: points}}}},
-    a point being (max_err, max_err / base max_err), or None where the case was not judged.
+    Returns {sweep: {layout kind: {"x": [...], "allowed": [...], "implementations": {name: points}}}},
+    "allowed" being the largest per-element allowance of the case (contract §5) and a point
+    (max_err, worst error / allowance ratio), or None where the case was not judged.
     """
     result = {}
     for sweep, points in curve_cases(p).items():
         series = {}
         for x, case, kind in points:
-            _, ((ref_out, _), (base_out, _)) = runner.oracle(case)
-            entry = series.setdefault(kind, {"x": [], "base": [], "implementations": {m: [] for m in impls}})
+            _, truth = runner.oracle(case)
+            entry = series.setdefault(
+                kind, {"x": [], "allowed": [], "implementations": {m: [] for m in impls}}
+            )
             entry["x"].append(kept_share(case) if sweep == "sparsity" else x)
-            entry["base"].append(float((base_out.double() - ref_out).abs().max()))
+            entry["allowed"].append(float(truth.bounds["out"][0].max()))
             for name, impl in impls.items():
                 out = runner.attention(impl, case, False).get("out")
-                entry["implementations"][name].append((out["max_err"], out["max_to_base"]) if out else None)
+                entry["implementations"][name].append((out["max_err"], out["max_ratio"]) if out else None)
         result[sweep] = series
         log(f"curve {sweep} done")
     return result

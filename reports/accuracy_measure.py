@@ -14,7 +14,7 @@ import torch
 
 from harness import registry
 from harness.cases import build_inputs, write_kv_inputs
-from harness.judge import bits, judge_attention, judge_write_kv, oracle_and_base
+from harness.judge import bits, judge_attention, judge_write_kv, oracle
 
 # ULPs are counted where |ref| >= this share of max|ref| (near zero the ULP shrinks without bound).
 ULP_MAGNITUDE_CUTOFF = 2.0**-10
@@ -60,20 +60,12 @@ def _number(x) -> float:
     return float(x)
 
 
-def _to_base(err: float, base: float) -> float:
-    if base:
-        return err / base
-    return 0.0 if err == 0 else math.inf
-
-
 def columns(stats: dict, out: torch.Tensor, ref: torch.Tensor) -> dict:
     """The report's columns for one output, from the verdict's stats and the tensor it judged."""
-    s = {k: _number(stats[k]) for k in ("max_err", "mean_err", "base_max_err", "base_mean_err")}
-    gate = max(_number(stats["max_ratio"]), _number(stats["mean_ratio"]))
+    s = {k: _number(stats[k]) for k in ("max_err", "mean_err", "max_ratio", "mean_ratio")}
+    gate = max(s["max_ratio"], s["mean_ratio"])
     return dict(
         s,
-        max_to_base=_to_base(s["max_err"], s["base_max_err"]),
-        mean_to_base=_to_base(s["mean_err"], s["base_mean_err"]),
         gate=gate if stats["bad_nonfinite"] == 0 else math.inf,
         max_ulp=max_ulp(out, ref),
         over=stats["over_tolerance"],
@@ -91,11 +83,11 @@ class Runner:
         self._cached = {}
 
     def oracle(self, case):
-        """(inputs, ((ref_out, ref_lse), (base_out, base_lse))) of an attention case."""
+        """(inputs, harness.judge.Oracle) of an attention case."""
         if case not in self._cached:
             self._cached.clear()  # one case at a time: GPU-sized oracles are large
             inputs = build_inputs(case, self.device)
-            self._cached[case] = (inputs, oracle_and_base(inputs))
+            self._cached[case] = (inputs, oracle(inputs))
         return self._cached[case]
 
     def attention(self, impl, case, decode: bool) -> dict:
@@ -103,15 +95,14 @@ class Runner:
         op = "paged_decode" if decode else "paged_prefill"
         if not impl.provides(op):
             return {"status": NOT_PROVIDED, "message": f"{impl.name} provides no {op}"}
-        inputs, oracle = self.oracle(case)
-        v = judge_attention(impl, case, decode=decode, device=self.device, inputs=inputs, oracle=oracle)
-        result = {"status": v.status, "message": v.message}
+        inputs, truth = self.oracle(case)
+        v = judge_attention(impl, case, decode=decode, device=self.device, inputs=inputs, truth=truth)
+        result = {"status": "failed" if v.failed else v.status, "message": v.message}
         if "out" in v.stats and v.outputs is not None:
-            (ref_out, ref_lse), _ = oracle
             out, lse = v.outputs
-            result["out"] = columns(v.stats["out"], out, ref_out)
+            result["out"] = columns(v.stats["out"], out, truth.out)
             if "lse" in v.stats:
-                result["lse"] = columns(v.stats["lse"], lse, ref_lse)
+                result["lse"] = columns(v.stats["lse"], lse, truth.lse)
         return result
 
     def write_kv(self, impl, case) -> dict:
@@ -119,15 +110,15 @@ class Runner:
         if not impl.provides("write_kv"):
             return {"status": NOT_PROVIDED, "message": f"{impl.name} provides no write_kv"}
         v = judge_write_kv(impl, write_kv_inputs(case, self.device), case)
-        result = {"status": v.status, "message": v.message}
+        result = {"status": "failed" if v.failed else v.status, "message": v.message}
         if "numel" in v.stats:
             wrong = sum(v.stats["mismatched_elements"].values())
             worst = 0.0 if v.status == "passed" else math.inf
             result["out"] = dict(
                 max_err=None,
                 mean_err=None,
-                max_to_base=None,
-                mean_to_base=None,
+                max_ratio=None,
+                mean_ratio=None,
                 gate=worst,
                 max_ulp=None,
                 over=wrong,
@@ -171,8 +162,8 @@ def aggregate(measures: list[dict]) -> dict:
         row |= dict(
             max_err=_worst(o["max_err"] for o in outs),
             mean_err=sum(means) / max(numel, 1) if means else None,
-            max_to_base=_worst(o["max_to_base"] for o in outs),
-            mean_to_base=_worst(o["mean_to_base"] for o in outs),
+            max_ratio=_worst(o["max_ratio"] for o in outs),
+            mean_ratio=_worst(o["mean_ratio"] for o in outs),
             gate=_worst(o["gate"] for o in outs),
             max_ulp=_worst(o["max_ulp"] for o in outs),
             over_share=sum(o["over"] for o in outs) / max(numel, 1),

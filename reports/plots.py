@@ -5,9 +5,6 @@ import pathlib
 
 import matplotlib
 
-from harness.cases import DTYPES
-from harness.tolerance import TOLERANCE
-
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
@@ -35,17 +32,16 @@ def _positive(values):
 
 
 def error_curves(
-    path, *, title: str, xlabel: str, xs, series: dict, base: list, footnote: str, factor: float, logx=False
+    path, *, title: str, xlabel: str, xs, series: dict, allowed: list, footnote: str, logx=False
 ):
-    """Two panels: max |out - ref| (with the same-dtype oracle `base` dashed) and its ratio to base.
+    """Two panels: max |out - ref| (with the largest allowance dashed) and the worst error / allowance.
 
     Args:
-        series: label -> list of (max_err, ratio_to_base) per x, None where the case was not judged.
-        base: max |base - ref| per x.
-        factor: the max gate's factor of contract §5, drawn as a line on the ratio panel.
+        series: label -> list of (max_err, worst ratio) per x, None where the case was not judged.
+        allowed: the largest per-element allowance of contract §5 per x.
     """
     fig, (ax_err, ax_ratio) = plt.subplots(1, 2, figsize=FIGSIZE, dpi=DPI)
-    ax_err.plot(xs, _positive(base), label="oracle in dtype (base)", **BASE_STYLE)
+    ax_err.plot(xs, _positive(allowed), label="largest allowance (contract §5)", **BASE_STYLE)
     for label, points in series.items():
         if not any(points):
             continue
@@ -53,11 +49,9 @@ def error_curves(
         ratios = [p[1] if p else None for p in points]
         ax_err.plot(xs, _positive(errs), marker="o", label=label)
         ax_ratio.plot(xs, _positive(ratios), marker="o", label=label)
-    ax_ratio.axhline(
-        factor, color="red", linewidth=0.8, linestyle=":", label=f"tolerance factor ({factor:g}x base)"
-    )
+    ax_ratio.axhline(1.0, color="red", linewidth=0.8, linestyle=":", label="the allowance (ratio 1)")
     ax_err.set_ylabel("max |out - ref|")
-    ax_ratio.set_ylabel("max err / base max err")
+    ax_ratio.set_ylabel("worst |out - ref| / allowance")
     for ax in (ax_err, ax_ratio):
         ax.set_xlabel(xlabel)
         ax.set_yscale("log")
@@ -74,7 +68,6 @@ def error_curves(
 
 def plot_curves(curve_data: dict, folder: pathlib.Path, dtype: str, where: str, footnote: str) -> list[str]:
     """One PNG per sweep and layout kind of `curve_data` (reports.accuracy.curves); returns the names."""
-    factor = TOLERANCE[DTYPES[dtype]][0]
     files = []
     for sweep, series in curve_data.items():
         for kind, entry in series.items():
@@ -86,9 +79,8 @@ def plot_curves(curve_data: dict, folder: pathlib.Path, dtype: str, where: str, 
                 xlabel=xlabel,
                 xs=entry["x"],
                 series=entry["implementations"],
-                base=entry["base"],
+                allowed=entry["allowed"],
                 footnote=footnote,
-                factor=factor,
                 logx=logx,
             )
             files.append(name)

@@ -8,18 +8,30 @@
   checked against what it declares and provides. Tests marked `ours` test this repository's own
   kernels and run only with the default backend `triton`.
 - `--xfails-file` / `--skips-file`: the user's own lists of test-id patterns.
-- An implementation that refuses a drawn case (NotImplementedError, or ValueError on valid input)
-  makes it *unsupported*: never passed or failed, counted per test and summed at the end.
+- An implementation that refuses a drawn case with NotImplementedError makes it *unsupported*: never
+  passed or failed, counted per test and summed at the end. A ValueError or TypeError on a valid
+  case is a failure ("rejected a valid input", contract §9).
+- Crashes and hangs (harness/isolation.py): every judged case is written to an in-flight file before
+  the call, under a hang guard of `--case-timeout` seconds. When an xdist worker dies, the controller
+  reports the test that was running by name, with its case, a saved case file and the command that
+  replays it in a child process; a worker whose GPU is left unusable exits on purpose, so that the
+  tests after it run on a fresh CUDA context.
+- The hypothesis example database is kept per implementation, under `.hypothesis/examples/<name>`,
+  so one implementation's failures never change another's draws.
 """
 
 import fnmatch
+import os
 import pathlib
+import tempfile
 
 import pytest
 import torch
-from hypothesis import event
+from hypothesis import event, settings
+from hypothesis.database import DirectoryBasedExampleDatabase
 
-from harness import registry
+from fuzz import backend_names, case_file
+from harness import isolation, registry
 
 IMPLEMENTATION = pytest.StashKey()
 PATTERNS = pytest.StashKey()
@@ -35,8 +47,32 @@ def _patterns(path) -> list[str]:
     return [line.split("#", 1)[0].strip() for line in lines if line.split("#", 1)[0].strip()]
 
 
+DATABASE_ROOT = pathlib.Path(__file__).resolve().parent.parent / ".hypothesis" / "examples"
+CRASH_FOLDER = pathlib.Path(__file__).resolve().parent.parent / "fuzz" / "failures"  # --failures-dir
+MAX_WORKER_RESTARTS = 500
+
+
+def example_database(impl) -> pathlib.Path:
+    """Where hypothesis keeps the failing examples of one implementation."""
+    return DATABASE_ROOT / backend_names.slug(backend_names.canonical(impl.name))
+
+
 def pytest_configure(config):
-    config.stash[IMPLEMENTATION] = registry.load(config.getoption("--backend"))
+    impl = registry.load(config.getoption("--backend"))
+    config.stash[IMPLEMENTATION] = impl
+    current = settings.get_current_profile_name()
+    settings.register_profile(
+        f"{current}-{impl.name}",
+        parent=settings.get_profile(current),
+        database=DirectoryBasedExampleDatabase(str(example_database(impl))),
+    )
+    settings.load_profile(f"{current}-{impl.name}")
+    if getattr(config.option, "maxworkerrestart", "") is None:
+        # Every crash of a kernel under test costs a worker (xdist's default allows 4 per worker).
+        config.option.maxworkerrestart = str(MAX_WORKER_RESTARTS)
+    if not hasattr(config, "workerinput") and isolation.INFLIGHT_ENV not in os.environ:
+        # The controller's folder, inherited by the xdist workers it starts after this.
+        os.environ[isolation.INFLIGHT_ENV] = tempfile.mkdtemp(prefix="suite-inflight-")
     config.stash[PATTERNS] = {
         "xfail": (config.getoption("--xfails-file"), _patterns(config.getoption("--xfails-file"))),
         "skip": (config.getoption("--skips-file"), _patterns(config.getoption("--skips-file"))),
@@ -110,7 +146,45 @@ def pytest_collection_modifyitems(config, items):
 def pytest_report_header(config):
     impl = config.stash[IMPLEMENTATION]
     caps = ", ".join(f"{k}={v}" for k, v in impl.capabilities.as_dict().items() if v is not None)
-    return f"implementation under test: {impl.name} ({impl.description or 'no description'}); {caps}"
+    return [
+        f"implementation under test: {impl.name} ({impl.description or 'no description'}); {caps}",
+        f"hypothesis examples of {impl.name}: {example_database(impl)}",
+    ]
+
+
+def pytest_handlecrashitem(crashitem, report, sched):
+    """xdist: a worker died while running `crashitem`; report its case, save it, say how to replay it."""
+    worker, config = report.node.gateway.id, report.node.config
+    record = isolation.InFlight.read(os.environ[isolation.INFLIGHT_ENV], worker)
+    if record is None or record.get("test") != crashitem:
+        return
+    status = record.get("status") or isolation.crash_status(record)
+    what = {
+        "hung": f"HANG: no result within the per-case limit of {record['case_timeout']:g} s (--case-timeout)",
+        "crashed": record.get("message") or "CRASH: the worker process died while running the case",
+    }[status]
+    lines = [f"{what}", f"  test:   {crashitem}"]
+    if record.get("case") is not None:
+        from harness.judge import Verdict
+
+        path = case_file.save(
+            config.getoption("--failures-dir") or CRASH_FOLDER,
+            target=record["target"],
+            backend=record["backend"],
+            case=record["case"],
+            dtype=record["case"]["dtype"],
+            words=record["words"],
+            verdict=Verdict(status, float("inf"), what),
+            device=record["device"],
+        )
+        lines += [
+            f"  case:   {record['words']}",
+            f"  saved:  {case_file.display_path(path)}",
+            f"  replay: {case_file.REPLAY_COMMAND.format(path=case_file.display_path(path))}",
+        ]
+    else:
+        lines.append(f"  replay: python -m pytest '{crashitem}' --backend {record['backend']}")
+    report.longrepr = "\n".join(lines + [f"  ({report.longrepr})"])
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -145,17 +219,56 @@ def impl(pytestconfig) -> registry.Implementation:
     return pytestconfig.stash[IMPLEMENTATION]
 
 
+@pytest.fixture(scope="session")
+def inflight(pytestconfig) -> isolation.InFlight:
+    """This worker's in-flight record (harness/isolation.py): the case it is running, for the controller."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    return isolation.InFlight(
+        os.environ[isolation.INFLIGHT_ENV], worker, pytestconfig.getoption("--case-timeout")
+    )
+
+
 @pytest.fixture
-def expect(impl, record_property):
-    """`expect(verdict)`: fails on a failed verdict, counts an unsupported one.
+def in_flight(inflight, impl, device, request):
+    """`with in_flight(target=..., case=...):` around one call of the implementation under test.
+
+    Without a case (a table entry), the record names the test alone.
+    """
+
+    class Running:
+        def __init__(self, target: str | None = None, case=None):
+            self.record = dict(test=request.node.nodeid, backend=backend_names.canonical(impl.name))
+            if case is not None:
+                self.record |= dict(
+                    target=target, case=case.to_dict(), words=case.describe(), device=str(device)
+                )
+
+        def __enter__(self):
+            inflight.begin(self.record)
+
+        def __exit__(self, *exc):
+            inflight.end()
+
+    return Running
+
+
+@pytest.fixture
+def expect(impl, record_property, inflight):
+    """`expect(verdict)`: fails on a failed verdict (wrong, crashed, hung), counts an unsupported one.
 
     Under hypothesis the counter spans all of a test's examples; in a test without `@given`, an
-    unsupported verdict skips the test with the implementation's reason.
+    unsupported verdict skips the test with the implementation's reason. A crash that leaves the GPU
+    unusable ends this worker (xdist replaces it and reports the test with its case) or, without
+    xdist, the session: no later test could run on that device.
     """
     refused = []
 
     def check(verdict, *, single: bool = False):
-        if verdict.status == "failed":
+        if verdict.status == "crashed" and torch.cuda.is_available():
+            if os.environ.get("PYTEST_XDIST_WORKER"):
+                inflight.device_lost(verdict.message)
+            pytest.exit(f"{verdict.message}: no later test can run on this device; run with -n", 1)
+        if verdict.failed:
             raise AssertionError(verdict.message)
         if verdict.status != "unsupported":
             return

@@ -121,3 +121,33 @@ def expects_poison_prefill(*args, **kwargs):
 
 
 EXPECTS_POISON = SimpleNamespace(write_kv=None, paged_prefill=expects_poison_prefill, paged_decode=None)
+
+
+def _segfault() -> None:
+    import ctypes
+
+    ctypes.string_at(0)  # reads address 0: SIGSEGV, as a kernel's wild pointer would
+
+
+def segfaults_on_long_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, **kwargs):
+    """The oracle, except that a sequence of more than 40 tokens kills the process (SIGSEGV)."""
+    if int(seq_lens.max()) > 40:
+        _segfault()
+    return reference.paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, **kwargs)
+
+
+# Crashes on about half of the drawn cases; shrinks to one sequence of 41 tokens.
+SEGFAULTS = SimpleNamespace(write_kv=None, paged_prefill=segfaults_on_long_prefill, paged_decode=None)
+
+
+def hangs_on_three_heads(q, *args, **kwargs):
+    """The oracle, except that three query heads never return."""
+    if q.shape[1] == 3:
+        import time
+
+        while True:
+            time.sleep(1)
+    return reference.paged_prefill(q, *args, **kwargs)
+
+
+HANGS = SimpleNamespace(write_kv=None, paged_prefill=hangs_on_three_heads, paged_decode=None)

@@ -24,7 +24,8 @@ def test_engine_target_catches_a_pool_that_frees_head_first(run_worker, monkeypa
                 self.lru[page_id] = None
 
     monkeypatch.setattr(BlockPool, "free", free_head_first)
-    [(_, failure)] = run_worker("reference", ["engine"]).of("failure")
+    # In this process: a child would not see the patch.
+    [(_, failure)] = run_worker("reference", ["engine"], in_process=True).of("failure")
     assert "block pool vs model" in failure["message"]
 
 

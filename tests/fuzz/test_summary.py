@@ -17,17 +17,22 @@ def test_counts_per_target_dtype_and_status():
         ("prefill", "float16", 0.0, "unsupported"),
         ("prefill", "float32", 9.0, "failed"),
         ("decode", "float32", 0.1, "passed"),
+        ("decode", "float16", float("inf"), "crashed"),
+        ("decode", "float16", float("inf"), "hung"),
     )
     counts = summary.summary_dict(tally, elapsed=60.0)["counts"]
     assert counts["prefill"] | {"by_dtype": None} == {
-        "passed": 1, "failed": 1, "unsupported": 1, "known": 0, "skipped": 0, "by_dtype": None
+        "passed": 1, "failed": 1, "unsupported": 1, "crashed": 0, "hung": 0, "known": 0, "skipped": 0,
+        "by_dtype": None,
     }  # fmt: skip
     assert counts["prefill"]["by_dtype"]["float16"]["unsupported"] == 1
     assert counts["prefill"]["by_dtype"]["float32"]["failed"] == 1
-    assert counts["decode"]["passed"] == 1 and tally.failed == 1
+    assert counts["decode"]["passed"] == 1 and counts["decode"]["crashed"] == counts["decode"]["hung"] == 1
+    assert tally.failed == 3  # crashes and hangs are failures
     table = summary.status_table(tally)
     assert "prefill  float16   passed 1  failed 0  unsupported 1" in table
     assert "prefill  all       passed 1  failed 1  unsupported 1" in table
+    assert "decode   float16   passed 0  failed 0  unsupported 0  crashed 1  hung 1" in table
 
 
 def test_worst_ratio_ignores_unsupported_cases():

@@ -136,7 +136,9 @@ def test_correct_implementation_passes_everything_that_applies(folder):
 def test_buggy_implementation_fails_with_a_readable_message(folder):
     proc = run_operator_tests(write_implementation(folder, "buggy"), "-x", "-k", "vllm_regression")
     assert proc.returncode == 1
-    assert re.search(r"paged_prefill out: max err \S+ \(allowed \S+\)", proc.stdout), proc.stdout[-3000:]
+    assert re.search(
+        r"paged_prefill out: max err \S+, worst ratio \S+ at .* \(allowed there \S+\)", proc.stdout
+    ), proc.stdout[-3000:]
 
 
 def test_narrow_implementation_is_asked_only_what_it_declared(folder):
@@ -165,3 +167,13 @@ def test_engine_runs_an_outside_implementation(folder):
 def test_engine_refuses_an_implementation_without_all_operators(folder):
     with pytest.raises(ValueError, match="provides no write_kv"):
         LLM("tiny", backend=write_implementation(folder, "narrow"), num_pages=16)
+
+
+def test_engine_refuses_an_implementation_without_a_cached_context(folder):
+    # All three operators, but context=False: a prefix-cache hit would be the first thing to fail.
+    path = folder / "no_context_kernel.py"
+    path.write_text(CORRECT + "capabilities = {'context': False}\nimport sys\nimpl = sys.modules[__name__]\n")
+    with pytest.raises(
+        ValueError, match=r"does not declare what the engine needs: prefill with a cached context"
+    ):
+        LLM("tiny", backend=f"{path}:impl", num_pages=16, dtype="float32")

@@ -1,14 +1,12 @@
 """`paged_decode` of the implementation under test against the float64 oracle (contract §5, out and lse)."""
 
-import math
-
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from harness import bad_inputs
-from harness.cases import AttentionCase, LayoutSpec, attention_args, build_inputs
+from harness.cases import AttentionCase, LayoutSpec
 from harness.strategies import attention_cases
 
 pytestmark = pytest.mark.operator("paged_decode")
@@ -74,6 +72,23 @@ NAMED = [
     ),
     pytest.param(_case((40, 7), scale=-0.2, head_dim=60, dtype="float16"), id="scale-negative-D60-padded"),
     pytest.param(_case((40, 90), scale=32.0, dtype="float16"), id="scale-saturating"),
+    # Tensor-parallel shards: this shard's heads are global heads head_offset .. (contract §2.1).
+    *[
+        pytest.param(
+            _case(
+                (300, 129, 64),
+                LayoutSpec("local_strided", 16, 2, stride, num_heads_total=total, head_offset=offset),
+                heads=(4, 2),
+                head_dim=32,
+            ),
+            id=f"shard-offset{offset}-of{total}-stride{stride}",
+        )
+        for total, offset, stride in ((16, 4, 8), (8, 4, 4), (32, 12, 6))
+    ],
+    # An all-empty batch (density 0): its allowance is 0, so out 0 and lse -inf exactly.
+    pytest.param(
+        _case((7, 40), LayoutSpec("block_mask", 4, density=0.0), heads=(4, 2)), id="all-rows-empty-exact"
+    ),
 ]
 
 
@@ -82,64 +97,36 @@ def test_paged_decode_named(run_case, case):
     run_case(case, decode=True, single=True, check_without_lse=True)
 
 
-@pytest.mark.parametrize(
-    "case",
-    [pytest.param(_case((7, 40), LayoutSpec("block_mask", 4, density=0.0), heads=(4, 2)))],
-    ids=["all-rows-empty-exact"],
-)
-def test_paged_decode_all_rows_empty_exact(impl, device, case):
-    inputs = build_inputs(case, device)
-    if impl.capabilities.lse:
-        out, lse = impl.paged_decode(*attention_args(inputs, True), layout=inputs["layout"], return_lse=True)
-        assert torch.equal(lse, torch.full_like(lse, -math.inf))
-    else:
-        out = impl.paged_decode(*attention_args(inputs, True), layout=inputs["layout"])
-    assert torch.equal(out, torch.zeros_like(out))
-
-
 @pytest.mark.requires(validates=True)
 @pytest.mark.parametrize("entry", bad_inputs.entries("paged_decode", bad_inputs.Rejected), ids=lambda e: e.id)
-def test_paged_decode_bad_input(impl, device, entry):
-    bad_inputs.check(
-        "paged_decode", entry, impl.paged_decode, device, dtype=bad_inputs.table_dtype(impl.capabilities)
-    )
+def test_paged_decode_bad_input(run_entry, entry):
+    run_entry("paged_decode", entry)
 
 
 @pytest.mark.parametrize("entry", bad_inputs.entries("paged_decode", bad_inputs.View), ids=lambda e: e.id)
-def test_paged_decode_non_contiguous(impl, device, entry):
-    caps = impl.capabilities
-    bad_inputs.check(
-        "paged_decode",
-        entry,
-        impl.paged_decode,
-        device,
-        dtype=bad_inputs.table_dtype(caps),
-        with_lse=caps.lse,
-    )
+def test_paged_decode_non_contiguous(run_entry, entry):
+    run_entry("paged_decode", entry)
 
 
 @pytest.mark.parametrize(
     "entry", bad_inputs.entries("paged_decode", bad_inputs.NonFinite), ids=lambda e: e.id
 )
-def test_paged_decode_non_finite(impl, device, entry):
-    caps = impl.capabilities
-    bad_inputs.check(
-        "paged_decode",
-        entry,
-        impl.paged_decode,
-        device,
-        dtype=bad_inputs.table_dtype(caps),
-        with_lse=caps.lse,
-    )
+def test_paged_decode_non_finite(run_entry, entry):
+    run_entry("paged_decode", entry)
 
 
 # GPU only: Phi-3-small decode (32 query heads, 8 KV heads, D 128) at 8k context, sparse and dense.
+PHI3_GPU_CASES = [
+    pytest.param(_case((8192, 8191, 1, 4097), layout, dtype, heads=(32, 8)), id=f"{name}-{dtype}")
+    for name, layout in (
+        ("dense", LayoutSpec()),
+        ("phi3", LayoutSpec("local_strided", 64, 16, 8, num_heads_total=32)),
+    )
+    for dtype in DTYPES
+]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    "layout",
-    [LayoutSpec(), LayoutSpec("local_strided", 64, 16, 8, num_heads_total=32)],
-    ids=["dense", "phi3"],
-)
-def test_paged_decode_phi3_small_gpu(run_case, dtype, layout):
-    run_case(_case((8192, 8191, 1, 4097), layout, dtype, heads=(32, 8)), decode=True, single=True)
+@pytest.mark.parametrize("case", PHI3_GPU_CASES)
+def test_paged_decode_phi3_small_gpu(run_case, case):
+    run_case(case, decode=True, single=True)

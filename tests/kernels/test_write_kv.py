@@ -13,28 +13,24 @@ pytestmark = pytest.mark.operator("write_kv")
 
 
 @given(data=st.data())
-def test_write_kv(impl, device, expect, data):
+def test_write_kv(impl, device, expect, in_flight, data):
     case = data.draw(write_kv_cases(caps=impl.capabilities))
-    expect(judge_write_kv(impl, write_kv_case_inputs(case, device), case))
+    with in_flight():
+        verdict = judge_write_kv(impl, write_kv_case_inputs(case, device), case)
+    expect(verdict)
 
 
 @pytest.mark.requires(validates=True)
 @pytest.mark.parametrize("entry", bad_inputs.entries("write_kv", bad_inputs.Rejected), ids=lambda e: e.id)
-def test_write_kv_bad_input(impl, device, entry):
-    bad_inputs.check(
-        "write_kv", entry, impl.write_kv, device, dtype=bad_inputs.table_dtype(impl.capabilities)
-    )
+def test_write_kv_bad_input(run_entry, entry):
+    run_entry("write_kv", entry)
 
 
 @pytest.mark.parametrize("entry", bad_inputs.entries("write_kv", bad_inputs.View), ids=lambda e: e.id)
-def test_write_kv_non_contiguous(impl, device, entry):
-    bad_inputs.check(
-        "write_kv", entry, impl.write_kv, device, dtype=bad_inputs.table_dtype(impl.capabilities)
-    )
+def test_write_kv_non_contiguous(run_entry, entry):
+    run_entry("write_kv", entry)
 
 
 @pytest.mark.parametrize("entry", bad_inputs.entries("write_kv", bad_inputs.NonFinite), ids=lambda e: e.id)
-def test_write_kv_non_finite(impl, device, entry):
-    bad_inputs.check(
-        "write_kv", entry, impl.write_kv, device, dtype=bad_inputs.table_dtype(impl.capabilities)
-    )
+def test_write_kv_non_finite(run_entry, entry):
+    run_entry("write_kv", entry)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import reference as ref
 from harness.cases import DTYPES, AttentionCase, LayoutSpec, build_inputs
-from harness.judge import oracle_and_base
+from harness.judge import oracle
 from harness.strategies import attention_cases
 from tests.budgets import examples
 
@@ -74,7 +74,8 @@ def sdpa_reference(inputs: dict, case: AttentionCase):
 @given(attention_cases(dtypes=("float32",), max_seq_len=80))
 def test_paged_prefill_matches_sdpa(case):
     inputs = build_inputs(case, CPU)
-    (out64, lse64), _ = oracle_and_base(inputs)
+    truth = oracle(inputs)
+    out64, lse64 = truth.out, truth.lse
     expected, expected_lse = sdpa_reference(inputs, case)
     torch.testing.assert_close(out64, expected, **EXACT_F64)
     torch.testing.assert_close(lse64, expected_lse, **EXACT_F64)
