@@ -56,9 +56,9 @@ class _Softmax:
     q.k * c, weights exp2(fma(q.k, c, -m)) with one rounding.
     """
 
-    def __init__(self, rounding: Rounding, scale: float):
+    def __init__(self, rounding: Rounding, scale: float, device):
         self.r = rounding
-        self.c = _fp32(torch.tensor(scale * (LOG2E if rounding.exp2 else 1.0)))
+        self.c = torch.tensor(scale * (LOG2E if rounding.exp2 else 1.0), dtype=torch.float32, device=device)
 
     def for_max(self, raw):
         """The tile's scores in the units the running max is kept in."""
@@ -92,7 +92,7 @@ def _attend(q, k, v, mask, scale: float, out_dtype, rounding: Rounding):
     """
     if scale < 0:  # a non-negative scale keeps the max subtraction before scaling exact
         q, scale = -q, -scale
-    sm = _Softmax(rounding, scale)
+    sm = _Softmax(rounding, scale, q.device)
     heads, num_q, num_k = mask.shape
     tiles = list(range(0, num_k, rounding.tile))[:: -1 if rounding.reverse else 1]
     # A running max that starts far below any score, yet stays finite once multiplied by the scale.
@@ -104,8 +104,8 @@ def _attend(q, k, v, mask, scale: float, out_dtype, rounding: Rounding):
 
     parts = []
     for split in range(rounding.splits):
-        m = torch.full((heads, num_q, 1), start_max)
-        l, acc = torch.zeros(heads, num_q, 1), torch.zeros(heads, num_q, q.shape[-1])
+        m = q.new_full((heads, num_q, 1), start_max)
+        l, acc = q.new_zeros(heads, num_q, 1), q.new_zeros(heads, num_q, q.shape[-1])
         for lo in tiles[split :: rounding.splits]:
             s, seen, vt = tile(lo)
             m_new = torch.maximum(m, sm.for_max(s).masked_fill(~seen, -math.inf).amax(-1, keepdim=True))

@@ -62,7 +62,7 @@ def _serve(conn, backend: str, device: str, env: dict) -> None:
     from fuzz import backend_names, targets
     from harness import registry
 
-    if env.get("TRITON_INTERPRET") == "1":
+    if os.environ.get("TRITON_INTERPRET") == "1":  # one thread per worker: the CPU has few cores
         torch.set_num_threads(1)
     impl = registry.load(backend_names.loadable(backend))
     all_targets = targets.all_targets()

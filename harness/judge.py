@@ -26,7 +26,7 @@ import reference
 from harness.cases import DTYPES, AttentionCase, attention_args, build_inputs
 from harness.poison import poison_allocations
 from harness.records import jsonable
-from harness.tolerance import LAMBDAS, TOLERANCE, ErrorStats, error_stats
+from harness.tolerance import LEVELS, TOLERANCE, ErrorStats, error_stats
 from reference.paged_prefill import prefill_float64
 from reference.validation import validate_paged_prefill
 
@@ -101,7 +101,8 @@ class Oracle:
     """The float64 oracle of one attention case and its allowances (contract §5).
 
     out [num_tokens, num_heads, head_dim] and lse [num_tokens, num_heads], float64 and unrounded;
-    `bounds[name]` is (bound at LAMBDA, bound at 1) of that output, float64 of its shape; `rows` is
+    `bounds[name]` is that output's allowances at the two LEVELS of harness/tolerance.py (every
+    element; the expected error), float64 of its shape; `rows` is
     the number of judged rows (non-empty, finite).
     """
 
@@ -118,7 +119,7 @@ def oracle(inputs: dict) -> Oracle:
         *attention_args(inputs, decode=False), scale=inputs["scale"], layout=inputs["layout"]
     )
     args = (batch, q, inputs["k_cache"], inputs["v_cache"], inputs["block_tables"], inputs["layout"])
-    out, lse, ((out_b, lse_b), (out_b1, lse_b1)) = prefill_float64(*args, TOLERANCE[q.dtype], LAMBDAS)
+    out, lse, ((out_b, lse_b), (out_b1, lse_b1)) = prefill_float64(*args, TOLERANCE[q.dtype], LEVELS)
     bounds = {"out": (out_b, out_b1), "lse": (lse_b, lse_b1)}
     return Oracle(out, lse, bounds, int(torch.isfinite(lse).sum()))
 

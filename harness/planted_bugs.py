@@ -111,9 +111,9 @@ def _softmax(bug: Bug, s, v, mask, pad: int):
     """float64 out [H, Q, D] and lse [H, Q] of scores s [H, Q, K] (-inf where masked)."""
     has_key = mask.any(-1, keepdim=True)
     if bug.no_rescale:
-        m_run = torch.full(s.shape[:2] + (1,), -math.inf, dtype=s.dtype)
+        m_run = s.new_full(s.shape[:2] + (1,), -math.inf)
         l = torch.zeros_like(m_run)
-        acc = torch.zeros(s.shape[:2] + (v.shape[-1],), dtype=s.dtype)
+        acc = s.new_zeros(s.shape[:2] + (v.shape[-1],))
         for lo in range(0, s.shape[-1], ONLINE_TILE):
             t = s[..., lo : lo + ONLINE_TILE]
             m_new = torch.maximum(m_run, t.amax(-1, keepdim=True))
@@ -146,7 +146,8 @@ def _attend_sequence(bug: Bug, batch, q, k, v, layout, context: int, seq_len: in
     """One sequence: q [Q, H, D], k, v [seq_len, Hkv, D]; float64 out [Q, H, D], lse [Q, H]."""
     heads, kv_heads = batch.num_heads, batch.num_kv_heads
     group = heads // kv_heads
-    kv_of = torch.arange(heads) % kv_heads if bug.gqa_modulo else torch.arange(heads) // group
+    heads_idx = torch.arange(heads, device=q.device)
+    kv_of = heads_idx % kv_heads if bug.gqa_modulo else heads_idx // group
     q_pos = torch.arange(context, seq_len)
     mask = _mask(bug, layout, heads, q_pos, seq_len).to(q.device)
     q_bad = ~torch.isfinite(q).all(-1).T  # [H, Q]

@@ -58,9 +58,11 @@ TOLERANCE = {
     torch.float16: _model(unit_roundoff(torch.float16), FLOAT16_TINY, unit_roundoff(torch.float16)),
     torch.bfloat16: _model(unit_roundoff(torch.bfloat16), FLUSH_TO_ZERO, unit_roundoff(torch.bfloat16)),
 }
-# The lambdas the oracle evaluates its bounds at: the max gate's, and 1 for the mean gate (between
-# the two, lambda_N's bound lies under the chord, since the bound is convex in lambda).
-LAMBDAS = (LAMBDA, 1.0)
+# The levels (lambda, share of each single final rounding) the oracle evaluates its bounds at: the
+# max gate's, a bound on every element; and the expected error of one element (lambda 1, half a
+# rounding), the mean gate's floor. The mean gate interpolates between the two by lambda_N (the
+# bound is convex in lambda, so the chord lies above it).
+LEVELS = ((LAMBDA, 1.0), (1.0, 0.5))
 
 # Engine logits (contract §6, harness/engine_check.py): twice the float32 step at their magnitude.
 FLOOR_ABS = 1e-5
@@ -115,7 +117,7 @@ def error_stats(out: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, bound
 
     Args:
         out: the implementation's output, any float dtype; ref: float64 of the same shape.
-        bound, bound_1: float64 per-element allowances at LAMBDA and at 1 (the oracle's, contract §5).
+        bound, bound_1: float64 per-element allowances at the two LEVELS (the oracle's, contract §5).
         rows: N of the mean gate, the number of judged (non-empty, finite) rows.
     Returns:
         An `ErrorStats`.

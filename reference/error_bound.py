@@ -57,7 +57,7 @@ def gamma(n: torch.Tensor, u: float, lam: float) -> torch.Tensor:
 
 
 def attention_bounds(
-    q, k, v, mask, scale: float, scores, probs, out, pivot, lse, model: RoundingModel, lam: float
+    q, k, v, mask, scale: float, scores, probs, out, pivot, lse, model: RoundingModel, level: tuple
 ):
     """Per-element allowances of one block of rows, from the oracle's float64 intermediates.
 
@@ -69,12 +69,16 @@ def attention_bounds(
         probs: [num_heads, num_queries, num_keys] softmax weights (0 where masked).
         out: [num_heads, num_queries, head_dim]; pivot, lse: [num_heads, num_queries, 1], the row
             maximum of the scaled scores (0 for an empty row) and the log-sum-exp.
-        model: the constants; lam: the lambda to evaluate them at.
+        model: the constants; level: (lam, share): the lambda of the probabilistic terms, and the share
+            of its worst case that each single final rounding (of out, of lse) counts for: 1 for a
+            bound on every element, 1/2 for the mean error of many (a rounding to nearest errs by
+            at most half a unit in the last place, by a quarter on average).
     Returns:
         out_bound [num_heads, num_queries, head_dim] and lse_bound [num_heads, num_queries, 1],
         float64, 0 on rows with no visible key.
     """
     u = model.u
+    lam, share = level
     head_dim = q.shape[-1]
     has_key = mask.any(-1, keepdim=True)
     n = mask.sum(-1, keepdim=True).to(q.dtype)
@@ -111,8 +115,7 @@ def attention_bounds(
     out_bound = (
         scores_term
         + second_order * (accumulate_term + rounding_term)
-        + (model.out_round + u) * out.abs()
-        + model.out_tiny
+        + share * ((model.out_round + u) * out.abs() + model.out_tiny)
     )
     lse_scores = torch.log((probs * torch.exp(delta)).sum(-1, keepdim=True).clamp_min(1.0))
     lse_rounding = torch.minimum(lam * c2.sum(-1, keepdim=True).sqrt(), c.sum(-1, keepdim=True))
@@ -121,8 +124,8 @@ def attention_bounds(
         lse_scores
         + accumulate / (1 - accumulate)
         + lse_rounding
-        + model.c_lse * u * (pivot.abs() + finite_lse.abs() + 1)
-        + model.lse_round * finite_lse.abs()
+        + share
+        * (model.c_lse * u * (pivot.abs() + finite_lse.abs() + 1) + model.lse_round * finite_lse.abs())
     )
     zero = torch.zeros((), dtype=q.dtype, device=q.device)
     return torch.where(has_key, out_bound, zero), torch.where(has_key, lse_bound, zero)

@@ -32,7 +32,7 @@ def gather_pages(cache: torch.Tensor, pages: torch.Tensor, seq_len: int) -> torc
 BLOCK_ELEMENTS = 2**23
 
 
-def masked_softmax_attention(q, k, v, mask, scale: float, model=None, lams=()):
+def masked_softmax_attention(q, k, v, mask, scale: float, model=None, levels=()):
     """softmax(scale * q k^T with -inf where ~mask) v in float64, and optionally its allowances.
 
     Args:
@@ -42,11 +42,12 @@ def masked_softmax_attention(q, k, v, mask, scale: float, model=None, lams=()):
             [num_keys, num_kv_heads, head_dim]; KV head j serves query heads j*G .. j*G+G-1.
         mask (torch.Tensor):
             bool [num_heads, num_queries, num_keys], True where the key is visible.
-        model (RoundingModel | None), lams (tuple[float, ...]):
-            With a model, also the allowances of contract §5 (reference/error_bound.py) at each lam.
+        model (RoundingModel | None), levels (tuple[tuple[float, float], ...]):
+            With a model, also the allowances of contract §5 (reference/error_bound.py) at each
+            (lambda, share of the single roundings) level.
     Returns:
         out float64 [num_queries, num_heads, head_dim], lse float64 [num_queries, num_heads]
-        (natural log) and a list of (out_bound, lse_bound) of the same shapes, one per lam. A row
+        (natural log) and a list of (out_bound, lse_bound) of the same shapes, one per level. A row
         with no visible key (decided by `mask` alone) gives out 0 and lse -inf (bounds 0). A row whose
         query, or the K or V of a key it sees, holds NaN or Inf gives NaN in every element of out
         and in lse; such values never reach a row that does not see them.
@@ -79,7 +80,8 @@ def masked_softmax_attention(q, k, v, mask, scale: float, model=None, lams=()):
     out = torch.einsum("hqk,hkd->hqd", probs, v)
     lse = torch.where(has_key, pivot + torch.log(safe), torch.full_like(pivot, -math.inf))
     bounds = [
-        attention_bounds(q, k, v, mask, scale, scores, probs, out, pivot, lse, model, lam) for lam in lams
+        attention_bounds(q, k, v, mask, scale, scores, probs, out, pivot, lse, model, level)
+        for level in levels
     ]
     # [num_heads, num_queries]: rows that see a non-finite input
     bad = q_bad.transpose(0, 1) | (
@@ -99,15 +101,16 @@ def token_mask(layout, num_heads: int, q_pos: torch.Tensor, k_pos: torch.Tensor)
     return layout.token_mask(num_heads, q_pos, k_pos)
 
 
-def prefill_float64(batch: PagedBatch, q, k_cache, v_cache, block_tables, layout, model=None, lams=()):
+def prefill_float64(batch: PagedBatch, q, k_cache, v_cache, block_tables, layout, model=None, levels=()):
     """The oracle's computation for a validated batch, in float64, unrounded.
 
     Returns out [num_tokens, num_heads, head_dim] and lse [num_tokens, num_heads] float64, and with a
-    `model` (reference/error_bound.py) a list of (out_bound, lse_bound), one per lam, of the same shapes.
+    `model` (reference/error_bound.py) a list of (out_bound, lse_bound), one per level, of the same
+    shapes.
     """
     out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
     lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float64, device=q.device)
-    bounds = [(torch.zeros_like(out), torch.zeros_like(lse)) for _ in lams]
+    bounds = [(torch.zeros_like(out), torch.zeros_like(lse)) for _ in levels]
     for b, seq_len in enumerate(batch.seq_lens):
         start, end = batch.query_starts[b], batch.query_starts[b + 1]
         context = seq_len - (end - start)
@@ -118,7 +121,7 @@ def prefill_float64(batch: PagedBatch, q, k_cache, v_cache, block_tables, layout
             hi = min(end, lo + rows)
             q_pos = torch.arange(context + lo - start, context + hi - start)
             mask = token_mask(layout, batch.num_heads, q_pos, torch.arange(seq_len))
-            o, s, bs = masked_softmax_attention(q[lo:hi], k, v, mask, batch.scale, model, lams)
+            o, s, bs = masked_softmax_attention(q[lo:hi], k, v, mask, batch.scale, model, levels)
             out[lo:hi], lse[lo:hi] = o, s
             for (ob, lb), (o_b, l_b) in zip(bounds, bs, strict=True):
                 ob[lo:hi], lb[lo:hi] = o_b, l_b

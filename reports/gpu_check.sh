@@ -7,6 +7,11 @@
 #   bash reports/gpu_check.sh OUT_DIR bench   the kernel benchmark (A/B against .ab/, made by
 #                                             reports/previous_kernels.sh; carry .ab), the engine TTFT,
 #                                             the accuracy report
+#   bash reports/gpu_check.sh OUT_DIR verdicts-tests   the operator tests of the triton kernels with
+#                                             contract §5's allowances, every dtype (kernels-tests.md)
+#   bash reports/gpu_check.sh OUT_DIR verdicts-rest    sharpness and false alarms on the GPU
+#                                             (sharpness.md), and an illegal memory access in the
+#                                             campaign (worker replaced), in --replay and in pytest
 set -u
 out=${1:?usage: gpu_check.sh OUT_DIR suite|bench}
 part=${2:?usage: gpu_check.sh OUT_DIR suite|bench}
@@ -36,7 +41,23 @@ case $part in
     step 240 bench-engine python3 -m reports.bench --only engine --out "$out"
     step 150 accuracy python3 -m reports.accuracy --device cuda --out "$out"
     ;;
-  *) echo "unknown part $part (suite or bench)"; exit 2 ;;
+  verdicts-tests)
+    HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-dev} step 420 tests \
+      python3 -m reports.gpu_kernel_check --out "$out" -- tests/kernels -n 4
+    tail -n 25 "$out/tests.log" >> "$out/summary.txt"
+    ;;
+  verdicts-rest)
+    step 200 sharpness python3 -m reports.sharpness --device cuda --cases "${SHARPNESS_CASES:-40}" --out "$out"
+    faults=tests.fuzz.implementations:ILLEGAL_ADDRESS
+    step 120 crash-campaign python3 -m fuzz --backend "$faults" --workers 1 --max-cases 40 --target prefill \
+      --max-failures 2 --max-shrinks 6 --failures-dir "$out/crash-cases" --summary "$out/crash-campaign.json"
+    first=$(ls "$out"/crash-cases/*.json 2>/dev/null | head -n 1)
+    [ -n "$first" ] && step 60 crash-replay python3 -m fuzz --replay "$first"
+    step 120 crash-pytest python3 -m pytest tests/kernels/test_paged_prefill.py -n 2 -p no:cacheprovider \
+      -k page_block_pairs --backend "$faults" --failures-dir "$out/crash-pytest-cases"
+    grep -E "CRASH|summary|prefill  all|passed|failed" "$out"/crash-*.log >> "$out/summary.txt"
+    ;;
+  *) echo "unknown part $part (suite, bench, verdicts-tests or verdicts-rest)"; exit 2 ;;
 esac
 cat "$out/summary.txt"
 # The device tool returns at most eight files per call: everything also goes back as one archive.

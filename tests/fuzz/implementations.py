@@ -151,3 +151,35 @@ def hangs_on_three_heads(q, *args, **kwargs):
 
 
 HANGS = SimpleNamespace(write_kv=None, paged_prefill=hangs_on_three_heads, paged_decode=None)
+
+
+def _far_read_kernel():
+    """A Triton kernel that loads from `ptr + offset`, unmasked (built on first use)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def far_read(p_src, p_dst, offset):
+        tl.store(p_dst, tl.load(p_src + offset))
+
+    return far_read
+
+
+_FAR_READ = []
+
+
+def illegal_address_on_big_pages(q, k_cache, *args, **kwargs):
+    """The oracle, except that a page size of 100 or more reads 2^40 elements past the cache: on a GPU an
+    illegal memory access, which leaves the CUDA context unusable (a sticky error)."""
+    if k_cache.shape[1] >= 100:
+        if not _FAR_READ:
+            _FAR_READ.append(_far_read_kernel())
+        sink = torch.zeros(1, dtype=k_cache.dtype, device=k_cache.device)
+        _FAR_READ[0][(1,)](k_cache, sink, 2**40)
+    return reference.paged_prefill(q, k_cache, *args, **kwargs)
+
+
+# For the GPU: the kind of fault a kernel under development has (the campaign's worker is replaced).
+ILLEGAL_ADDRESS = SimpleNamespace(
+    write_kv=None, paged_prefill=illegal_address_on_big_pages, paged_decode=None
+)

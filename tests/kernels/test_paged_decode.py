@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from harness import bad_inputs
 from harness.cases import AttentionCase, LayoutSpec
 from harness.strategies import attention_cases
+from tests.kernels import test_paged_prefill
 
 pytestmark = pytest.mark.operator("paged_decode")
 GPU = torch.cuda.is_available()
@@ -83,7 +84,7 @@ NAMED = [
             ),
             id=f"shard-offset{offset}-of{total}-stride{stride}",
         )
-        for total, offset, stride in ((16, 4, 8), (8, 4, 4), (32, 12, 6))
+        for total, offset, stride in test_paged_prefill.SHARDS
     ],
     # An all-empty batch (density 0): its allowance is 0, so out 0 and lse -inf exactly.
     pytest.param(
