@@ -24,8 +24,9 @@ from types import SimpleNamespace
 import torch
 
 import reference
+from harness.comparison import decode_via_prefill
 from reference.paged_prefill import gather_pages, token_mask
-from reference.validation import validate_paged_decode, validate_paged_prefill
+from reference.validation import validate_paged_prefill
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -175,27 +176,12 @@ def _prefill(rounding: Rounding):
     return paged_prefill
 
 
-def _decode(prefill):
-    def paged_decode(
-        q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, layout=None, return_lse=False
-    ):
-        """Family-member decode: prefill with one query per sequence."""
-        validate_paged_decode(
-            q, k_cache, v_cache, block_tables, seq_lens, scale=scale, layout=layout, return_lse=return_lse
-        )
-        starts = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-        return prefill(
-            q, k_cache, v_cache, block_tables, seq_lens, starts, scale=scale, layout=layout,
-            return_lse=return_lse,
-        )  # fmt: skip
-
-    return paged_decode
-
-
 def member(rounding: Rounding, doc: str) -> SimpleNamespace:
     """An implementation (contract §9) that rounds as `rounding` says; its write_kv is the oracle's."""
     prefill = _prefill(rounding)
-    impl = SimpleNamespace(write_kv=reference.write_kv, paged_prefill=prefill, paged_decode=_decode(prefill))
+    impl = SimpleNamespace(
+        write_kv=reference.write_kv, paged_prefill=prefill, paged_decode=decode_via_prefill(prefill)
+    )
     impl.__doc__ = doc
     return impl
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from reference.paged_prefill import gather_pages
-from reference.validation import validate_paged_prefill
+from reference.validation import validate_paged_decode, validate_paged_prefill
 
 
 def _sequences(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, layout):
@@ -34,12 +34,19 @@ def _sequences(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, sca
             yield start, end, seq_len - (end - start), q[start:end], k, v, batch.scale
 
 
-def _decode_via(prefill):
-    """paged_decode from a paged_prefill: one query per sequence."""
+def decode_via_prefill(prefill):
+    """paged_decode from a paged_prefill (contract §4: decode is prefill with one query per sequence).
+
+    The adapters of this file, the examples and the planted bugs all build their decode this way;
+    the arguments are validated as decode's first, so decode's own errors name what they should.
+    """
 
     def paged_decode(
         q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, layout=None, return_lse=False
     ):
+        validate_paged_decode(
+            q, k_cache, v_cache, block_tables, seq_lens, scale=scale, layout=layout, return_lse=return_lse
+        )
         starts = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
         return prefill(
             q,
@@ -87,7 +94,7 @@ def sdpa_prefill(
 SDPA = SimpleNamespace(
     write_kv=None,
     paged_prefill=sdpa_prefill,
-    paged_decode=_decode_via(sdpa_prefill),
+    paged_decode=decode_via_prefill(sdpa_prefill),
     capabilities={"layouts": ("dense",), "lse": False},
 )
 
@@ -162,4 +169,6 @@ def load_flex():
 
     # Uncompiled flex_attention warns once that it materialises the scores: that is the point here.
     warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-    return SimpleNamespace(write_kv=None, paged_prefill=flex_prefill, paged_decode=_decode_via(flex_prefill))
+    return SimpleNamespace(
+        write_kv=None, paged_prefill=flex_prefill, paged_decode=decode_via_prefill(flex_prefill)
+    )

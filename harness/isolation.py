@@ -109,14 +109,14 @@ class Isolated:
             self._kill()
             raise RuntimeError(f"the child for {self.backend} did not start within {START_LIMIT_S:g} s")
         try:
-            kind, _ = self.conn.recv()
+            self.conn.recv()  # ("ready", None)
         except EOFError as exc:
-            code = self.proc.exitcode if self.proc.join(5) is None else self.proc.exitcode
+            self.proc.join(5)
+            code = self.proc.exitcode
             self._kill()
             raise RuntimeError(
                 f"the child for {self.backend} died while loading it ({death_in_words(code)})"
             ) from exc
-        assert kind == "ready"
 
     def _kill(self) -> None:
         if self.proc is not None and self.proc.is_alive():

@@ -65,7 +65,8 @@ def device_unusable(device) -> str | None:
         torch.cuda.synchronize(device)
         torch.ones(1, device=device).add_(1).item()
     except Exception as exc:  # noqa: BLE001  (whatever the driver reports)
-        return f"{type(exc).__name__}: {exc}"
+        first_line = (str(exc).strip().splitlines() or [""])[0]  # the rest is CUDA's generic advice
+        return f"{type(exc).__name__}: {first_line}"
     return None
 
 

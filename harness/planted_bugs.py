@@ -30,9 +30,10 @@ from types import SimpleNamespace
 
 import torch
 
+from harness.comparison import decode_via_prefill
 from reference.layouts import LocalStridedLayout
 from reference.paged_prefill import gather_pages, token_mask
-from reference.validation import validate_paged_decode, validate_paged_prefill
+from reference.validation import validate_paged_prefill
 
 NAN_LEAK_TILE = 16
 ONLINE_TILE = 16
@@ -58,19 +59,14 @@ class Bug:
 
 
 def _layout(bug: Bug, layout):
+    """The local-strided layout as the bug sees it: without the shard's offset, or one local block short."""
     if not isinstance(layout, LocalStridedLayout):
         return layout
-    if bug.shard_offset_ignored and layout.head_offset:
-        return LocalStridedLayout(
-            layout.block_size, layout.local_blocks, layout.vert_stride, layout.homo_head,
-            layout.num_heads_total, 0,
-        )  # fmt: skip
-    if bug.local_window_short and layout.local_blocks > 1:
-        return LocalStridedLayout(
-            layout.block_size, layout.local_blocks - 1, layout.vert_stride, layout.homo_head,
-            layout.num_heads_total, layout.head_offset,
-        )  # fmt: skip
-    return layout
+    local = layout.local_blocks - (bug.local_window_short and layout.local_blocks > 1)
+    offset = 0 if bug.shard_offset_ignored else layout.head_offset
+    return LocalStridedLayout(
+        layout.block_size, local, layout.vert_stride, layout.homo_head, layout.num_heads_total, offset
+    )
 
 
 def _shifted_columns(layout: LocalStridedLayout, num_heads: int, q_pos, k_pos) -> torch.Tensor:
@@ -202,26 +198,9 @@ def _prefill(bug: Bug):
     return paged_prefill
 
 
-def _decode(prefill):
-    def paged_decode(
-        q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, layout=None, return_lse=False
-    ):
-        """The planted prefill with one query per sequence."""
-        validate_paged_decode(
-            q, k_cache, v_cache, block_tables, seq_lens, scale=scale, layout=layout, return_lse=return_lse
-        )
-        starts = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-        return prefill(
-            q, k_cache, v_cache, block_tables, seq_lens, starts, scale=scale, layout=layout,
-            return_lse=return_lse,
-        )  # fmt: skip
-
-    return paged_decode
-
-
 def _implementation(bug: Bug) -> SimpleNamespace:
     prefill = _prefill(bug)
-    return SimpleNamespace(write_kv=None, paged_prefill=prefill, paged_decode=_decode(prefill))
+    return SimpleNamespace(write_kv=None, paged_prefill=prefill, paged_decode=decode_via_prefill(prefill))
 
 
 BUGS = tuple(f for f in Bug.__dataclass_fields__)

@@ -41,7 +41,6 @@ def _model(p_round: float, tiny: float, out_round: float) -> RoundingModel:
         out_round=out_round,
         out_tiny=tiny,
         lse_round=FLOAT32_U,
-        lam=LAMBDA,
         # Roundings counted per score (contract §5): scale to float32, scale * log2(e), the product
         # with q.k, the max subtraction (or the separate m * c of a fused s * c - m * c).
         c_score=5.0,

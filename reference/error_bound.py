@@ -35,8 +35,8 @@ class RoundingModel:
     u: float32 arithmetic. p_round, p_tiny: relative and absolute error of rounding one weight to the
     input dtype before P·V (p_tiny covers subnormals and flush to zero; p_round 0 when P stays in
     float32). out_round, out_tiny: the one rounding of out to its dtype. lse_round: the rounding of
-    lse to float32. lam: lambda of the probabilistic bounds. c_score, c_exp, c_lse: how many roundings
-    of their kind the derivation counts.
+    lse to float32. c_score, c_exp, c_lse: how many roundings of their kind the derivation counts.
+    (The lambda of the probabilistic bounds comes with each evaluation: `attention_bounds`' level.)
     """
 
     u: float
@@ -45,7 +45,6 @@ class RoundingModel:
     out_round: float
     out_tiny: float
     lse_round: float
-    lam: float
     c_score: float
     c_exp: float
     c_lse: float

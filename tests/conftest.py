@@ -20,9 +20,11 @@
   so one implementation's failures never change another's draws.
 """
 
+import contextlib
 import fnmatch
 import os
 import pathlib
+import shutil
 import tempfile
 
 import pytest
@@ -35,6 +37,7 @@ from harness import isolation, registry
 
 IMPLEMENTATION = pytest.StashKey()
 PATTERNS = pytest.StashKey()
+INFLIGHT_FOLDER = pytest.StashKey()
 UNSUPPORTED_PROPERTY = "unsupported_cases"
 # The built-ins of this repository declare everything they support: a refusal of theirs is a bug.
 REFUSE_NOTHING = ("triton", "reference")
@@ -73,6 +76,7 @@ def pytest_configure(config):
     if not hasattr(config, "workerinput") and isolation.INFLIGHT_ENV not in os.environ:
         # The controller's folder, inherited by the xdist workers it starts after this.
         os.environ[isolation.INFLIGHT_ENV] = tempfile.mkdtemp(prefix="suite-inflight-")
+        config.stash[INFLIGHT_FOLDER] = os.environ[isolation.INFLIGHT_ENV]
     config.stash[PATTERNS] = {
         "xfail": (config.getoption("--xfails-file"), _patterns(config.getoption("--xfails-file"))),
         "skip": (config.getoption("--skips-file"), _patterns(config.getoption("--skips-file"))),
@@ -84,6 +88,13 @@ def pytest_configure(config):
         "planned: a test of the planned path (plan_prefill / plan_decode), where the implementation has one",
     ):
         config.addinivalue_line("markers", line)
+
+
+def pytest_unconfigure(config):
+    folder = config.stash.get(INFLIGHT_FOLDER, None)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop(isolation.INFLIGHT_ENV, None)
 
 
 def _refusal(item, impl) -> str | None:
@@ -220,7 +231,7 @@ def impl(pytestconfig) -> registry.Implementation:
 
 
 @pytest.fixture(scope="session")
-def inflight(pytestconfig) -> isolation.InFlight:
+def worker_record(pytestconfig) -> isolation.InFlight:
     """This worker's in-flight record (harness/isolation.py): the case it is running, for the controller."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     return isolation.InFlight(
@@ -229,31 +240,26 @@ def inflight(pytestconfig) -> isolation.InFlight:
 
 
 @pytest.fixture
-def in_flight(inflight, impl, device, request):
-    """`with in_flight(target=..., case=...):` around one call of the implementation under test.
+def in_flight(worker_record, impl, device, request):
+    """`with in_flight(target, case):` around one call of the implementation under test; without a
+    case (a table entry), the record names the test alone."""
 
-    Without a case (a table entry), the record names the test alone.
-    """
+    @contextlib.contextmanager
+    def running(target: str | None = None, case=None):
+        record = dict(test=request.node.nodeid, backend=backend_names.canonical(impl.name))
+        if case is not None:
+            record |= dict(target=target, case=case.to_dict(), words=case.describe(), device=str(device))
+        worker_record.begin(record)
+        try:
+            yield
+        finally:
+            worker_record.end()
 
-    class Running:
-        def __init__(self, target: str | None = None, case=None):
-            self.record = dict(test=request.node.nodeid, backend=backend_names.canonical(impl.name))
-            if case is not None:
-                self.record |= dict(
-                    target=target, case=case.to_dict(), words=case.describe(), device=str(device)
-                )
-
-        def __enter__(self):
-            inflight.begin(self.record)
-
-        def __exit__(self, *exc):
-            inflight.end()
-
-    return Running
+    return running
 
 
 @pytest.fixture
-def expect(impl, record_property, inflight):
+def expect(impl, record_property, worker_record):
     """`expect(verdict)`: fails on a failed verdict (wrong, crashed, hung), counts an unsupported one.
 
     Under hypothesis the counter spans all of a test's examples; in a test without `@given`, an
@@ -266,7 +272,7 @@ def expect(impl, record_property, inflight):
     def check(verdict, *, single: bool = False):
         if verdict.status == "crashed" and torch.cuda.is_available():
             if os.environ.get("PYTEST_XDIST_WORKER"):
-                inflight.device_lost(verdict.message)
+                worker_record.device_lost(verdict.message)
             pytest.exit(f"{verdict.message}: no later test can run on this device; run with -n", 1)
         if verdict.failed:
             raise AssertionError(verdict.message)
