@@ -24,9 +24,8 @@ from types import SimpleNamespace
 import torch
 
 import reference
-from harness.comparison import decode_via_prefill
-from reference.paged_prefill import gather_pages, token_mask
-from reference.validation import validate_paged_prefill
+from harness.comparison import decode_via_prefill, sequences
+from reference.paged_prefill import token_mask
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -145,22 +144,15 @@ def _prefill(rounding: Rounding):
         return_lse=False,
     ):  # fmt: skip
         """Family-member attention of new tokens over a paged cache (contract §4)."""
-        batch = validate_paged_prefill(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=scale, layout=layout,
-            return_lse=return_lse,
-        )  # fmt: skip
+        args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+        batch, per_sequence = sequences(*args, scale=scale, layout=layout, return_lse=return_lse)
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float32, device=q.device)
-        group = batch.num_heads // batch.num_kv_heads
-        for b, seq_len in enumerate(batch.seq_lens):
-            start, end = batch.query_starts[b], batch.query_starts[b + 1]
-            if end == start:
-                continue
-            k = gather_pages(k_cache, block_tables[b], seq_len)
-            v = gather_pages(v_cache, block_tables[b], seq_len)
-            q_pos = torch.arange(seq_len - (end - start), seq_len)
+        for start, end, context, qb, k, v in per_sequence:
+            group = batch.num_heads // batch.num_kv_heads
+            seq_len = context + end - start
+            q_pos = torch.arange(context, seq_len)
             mask = token_mask(layout, batch.num_heads, q_pos, torch.arange(seq_len)).to(q.device)
-            qb = q[start:end]
             # The NaN rule (contract §4): rows that see a non-finite value are NaN; the arithmetic
             # runs on zeroed copies so that 0 * NaN of an unseen key cannot reach another row.
             bad_q = ~torch.isfinite(qb).all(-1).T

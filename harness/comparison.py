@@ -21,17 +21,28 @@ from reference.paged_prefill import gather_pages
 from reference.validation import validate_paged_decode, validate_paged_prefill
 
 
-def _sequences(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, layout):
-    """Validates like the oracle, then yields (start, end, context, q_b, k_b, v_b, scale) per sequence."""
+def sequences(
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, *, scale, layout, return_lse=False
+):
+    """Validates a `paged_prefill` call like the oracle (errors before anything else happens) and
+    returns (batch, [(start, end, context, q_b, k_b, v_b), ...]): the validated `PagedBatch`, and per
+    sequence with queries its token range in q, its cached context, q_b [end - start, num_heads,
+    head_dim] and its K/V gathered through the block table, [seq_len, num_kv_heads, head_dim].
+
+    The comparison backends, the rounding family (examples/) and the planted bugs walk a batch this way.
+    """
     batch = validate_paged_prefill(
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=scale, layout=layout
-    )
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=scale, layout=layout,
+        return_lse=return_lse,
+    )  # fmt: skip
+    per_sequence = []
     for b, seq_len in enumerate(batch.seq_lens):
         start, end = batch.query_starts[b], batch.query_starts[b + 1]
         if end > start:
             k = gather_pages(k_cache, block_tables[b], seq_len)
             v = gather_pages(v_cache, block_tables[b], seq_len)
-            yield start, end, seq_len - (end - start), q[start:end], k, v, batch.scale
+            per_sequence.append((start, end, seq_len - (end - start), q[start:end], k, v))
+    return batch, per_sequence
 
 
 def decode_via_prefill(prefill):
@@ -71,10 +82,11 @@ def sdpa_prefill(
         raise NotImplementedError("sdpa: dense causal only (layout must be None)")
     if return_lse:
         raise NotImplementedError("sdpa: no log-sum-exp")
+    batch, per_sequence = sequences(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=scale, layout=layout
+    )
     out = torch.zeros_like(q)
-    for start, end, context, qb, kb, vb, sc in _sequences(
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, layout
-    ):
+    for start, end, context, qb, kb, vb in per_sequence:
         q_pos = torch.arange(context, context + end - start, device=q.device)
         # Bottom-right aligned causal mask: the query at absolute position p sees keys 0..p.
         mask = torch.arange(kb.shape[0], device=q.device).view(1, -1) <= q_pos.view(-1, 1)
@@ -84,7 +96,7 @@ def sdpa_prefill(
             kb.transpose(0, 1)[None],
             vb.transpose(0, 1)[None],
             attn_mask=mask,
-            scale=sc,
+            scale=batch.scale,
             enable_gqa=True,
         )
         out[start:end] = o[0].transpose(0, 1)
@@ -130,12 +142,14 @@ def flex_prefill(
     """Block-sparse prefill through FlexAttention (eager), one call per sequence."""
     from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
-    num_heads = q.shape[1]
+    batch, per_sequence = sequences(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=scale, layout=layout,
+        return_lse=return_lse,
+    )  # fmt: skip
+    num_heads = batch.num_heads
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float32, device=q.device)
-    for start, end, context, qb, kb, vb, sc in _sequences(
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, layout
-    ):
+    for start, end, context, qb, kb, vb in per_sequence:
         # Square problems only: queries are padded in front to the key length, so that query row i
         # sits at absolute position i. torch 2.11's eager flex on CUDA got Q_LEN < KV_LEN wrong
         # (the context offset was lost); the padded rows are dropped afterwards.
@@ -149,7 +163,7 @@ def flex_prefill(
             kb.transpose(0, 1)[None],
             vb.transpose(0, 1)[None],
             block_mask=block_mask,
-            scale=sc,
+            scale=batch.scale,
             enable_gqa=True,
             return_aux=AuxRequest(lse=True),
         )

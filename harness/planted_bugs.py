@@ -30,10 +30,9 @@ from types import SimpleNamespace
 
 import torch
 
-from harness.comparison import decode_via_prefill
+from harness.comparison import decode_via_prefill, sequences
 from reference.layouts import LocalStridedLayout
-from reference.paged_prefill import gather_pages, token_mask
-from reference.validation import validate_paged_prefill
+from reference.paged_prefill import token_mask
 
 NAN_LEAK_TILE = 16
 ONLINE_TILE = 16
@@ -173,20 +172,12 @@ def _prefill(bug: Bug):
         return_lse=False,
     ):  # fmt: skip
         """Exact float64 attention with one planted bug (harness/planted_bugs.py)."""
-        batch = validate_paged_prefill(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=scale, layout=layout,
-            return_lse=return_lse,
-        )  # fmt: skip
+        args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+        batch, per_sequence = sequences(*args, scale=scale, layout=layout, return_lse=return_lse)
         out = torch.empty_like(q) if bug.empty_rows_unwritten else torch.zeros_like(q)
         lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float32, device=q.device)
-        for b, seq_len in enumerate(batch.seq_lens):
-            start, end = batch.query_starts[b], batch.query_starts[b + 1]
-            if end == start:
-                continue
-            k = gather_pages(k_cache, block_tables[b], seq_len)
-            v = gather_pages(v_cache, block_tables[b], seq_len)
-            context = seq_len - (end - start)
-            o, s, seen = _attend_sequence(bug, batch, q[start:end], k, v, layout, context, seq_len)
+        for start, end, context, qb, k, v in per_sequence:
+            o, s, seen = _attend_sequence(bug, batch, qb, k, v, layout, context, context + end - start)
             if bug.empty_rows_unwritten:
                 rows = out[start:end]
                 rows[seen] = o[seen].to(q.dtype)
