@@ -16,8 +16,13 @@ from harness.strategies import attention_cases
 from tests.kernels import test_paged_decode, test_paged_prefill
 
 MIN_RATIO = 10.0
+# Derandomized: the search is the same every run, so what this budget finds today it finds every time.
 SEARCH = settings(
-    max_examples=400, database=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck)
+    max_examples=1500,
+    database=None,
+    derandomize=True,
+    phases=[Phase.generate],
+    suppress_health_check=list(HealthCheck),
 )
 PREFILL_NAMED = {p.id: p.values[0] for p in test_paged_prefill.NAMED}
 DECODE_NAMED = {p.id: p.values[0] for p in test_paged_decode.NAMED}
