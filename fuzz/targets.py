@@ -105,9 +105,11 @@ def plan(impl, names, requested_dtypes) -> tuple[dict, dict]:
     return active, unavailable
 
 
-def run_case(target, impl, case, device) -> judge.Verdict:
-    """One case through a target (the judge poisons the implementation's fresh allocations)."""
-    return target.run(impl, case, device)
+def run_case(target_name: str, impl, case: dict, device) -> judge.Verdict:
+    """One case, as plain values (a case file's or a message's), through the target of that name
+    (the judge poisons the implementation's fresh allocations)."""
+    target = all_targets()[target_name]
+    return target.run(impl, target.case_from_dict(case), device)
 
 
 def _number(x) -> str:

@@ -65,15 +65,13 @@ def _serve(conn, backend: str, device: str, env: dict) -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":  # one thread per worker: the CPU has few cores
         torch.set_num_threads(1)
     impl = registry.load(backend_names.loadable(backend))
-    all_targets = targets.all_targets()
     conn.send(("ready", None))
     while True:
         request = conn.recv()
         if request is None:
             return
-        name, case_dict = request
-        target = all_targets[name]
-        verdict = targets.run_case(target, impl, target.case_from_dict(case_dict), device)
+        name, case = request
+        verdict = targets.run_case(name, impl, case, device)
         verdict.outputs = None
         conn.send(("verdict", verdict))
         if verdict.status == "crashed":
@@ -178,8 +176,7 @@ class InProcess:
         self.device, self.targets = device, targets
 
     def run(self, target: str, case: dict):
-        t = self.targets.all_targets()[target]
-        return self.targets.run_case(t, self.impl, t.case_from_dict(case), self.device)
+        return self.targets.run_case(target, self.impl, case, self.device)
 
     def close(self) -> None:
         pass

@@ -64,7 +64,7 @@ def test_replay_of_the_oracle_passes(tmp_path):
 
 
 def test_replay_reproduces_a_wrong_backend(tmp_path, capsys):
-    found = targets.run_case(targets.all_targets()["prefill"], registry.load(ONE_PERCENT_OFF), CASE, "cpu")
+    found = targets.run_case("prefill", registry.load(ONE_PERCENT_OFF), CASE.to_dict(), "cpu")
     assert found.status == "failed"
     path = save(tmp_path, ONE_PERCENT_OFF, found)
     assert case_file.main_replay(path) == case_file.REPRODUCED
