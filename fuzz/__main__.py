@@ -7,16 +7,24 @@ examples:
   python -m fuzz --backend flex --target prefill           another built-in implementation
   python -m fuzz --backend ~/my_kernel.py:impl             anyone's implementation (contract §9)
   python -m fuzz --replay fuzz/failures/FILE.json          re-run a saved case on the backend it names
+  python -m fuzz --shard 3/8 --summary s3.json             shard 3 of an 8-way campaign (one job of
+                                                           a Slurm array, a Kubernetes Job, a CI matrix)
+  python -m fuzz --merge s*.json --summary all.json        the shards as one report
 
 how it works:
-  Workers (spawned processes; one per CPU core, or one per GPU) load the implementation by its name,
-  draw cases within what it declares (capabilities, harness/strategies.py) and run each in a child
-  process of their own (harness/isolation.py), which judges it against
-  the float64 oracle by contract §5's tolerance rule (docs/contract.md): out and, where declared,
-  lse; write_kv bit for bit; the engine cold vs warm (harness/engine_check.py). Each chunk of draws
-  fixes one dtype, so a failure keeps its dtype while hypothesis shrinks it; the smallest failing
-  case is saved under --failures-dir as a small JSON file that records the backend name, so
-  `--replay FILE` needs no other flag. A case the implementation refuses with NotImplementedError
+  Workers (spawned processes; one per CPU core, or, on a GPU host, the cores shared out over every
+  visible GPU, several per GPU so that compilations run in parallel) load the implementation by its
+  name, draw cases within what it declares (capabilities, harness/strategies.py) and run each in a
+  child process of their own (harness/isolation.py), which judges it against the float64 oracle by
+  contract §5's tolerance rule (docs/contract.md): out and, where declared, lse; write_kv bit for
+  bit; the engine cold vs warm (harness/engine_check.py). Each chunk of draws fixes one dtype and one
+  compile-time key (heads, head dim, page size, layout family, block size: what kernels compile for;
+  the engine's page size) and varies everything else, so a chunk compiles once, and a failure keeps
+  its dtype and key while hypothesis shrinks the rest; keys are drawn from the whole domain. Compiled
+  kernels persist in --kernel-cache for the next campaign. The smallest failing case is saved under
+  --failures-dir as a small JSON file that records the backend name, so `--replay FILE` needs no
+  other flag, and in the example database (--example-db), from which every campaign, every shard of
+  one included, replays the saved failures first. A case the implementation refuses with NotImplementedError
   counts as unsupported, never as passed or failed; a ValueError or TypeError on a valid case is a
   failure ("rejected a valid input"). A case that kills its child process or leaves the GPU unusable
   is a CRASH, one that runs past --case-timeout a HANG: both are failures, saved before they are
@@ -27,6 +35,9 @@ how it works:
   cases (whichever comes first). Cases in flight and a shrink in progress are finished after the time
   box; the progress line says so.
 
+  The summary says where the workers' time went per target: compiling, the implementation, the
+  oracle, child-process start-up and the rest of the harness (harness/timing.py).
+
   worst ratio: contract §5's worst gate ratio, error / allowed error over the max and mean gates of
   every judged output (out, lse). <= 1 passes; inf is a crash or a NaN/Inf where the oracle is finite.
 
@@ -34,6 +45,8 @@ exit codes:
   campaign: 0 no new failure; 1 a new failure, a stale ledger entry or an incomplete run;
             2 no requested target can run here (the reasons are printed).
   replay:   1 the case still fails, crashes or hangs (reproduced); 0 it passes now; 2 it could not run.
+  merge:    as a campaign, over all shards (a missing shard fails it); 2 the summaries do not belong
+            together.
 """
 
 import argparse
@@ -55,6 +68,13 @@ def _positive(kind):
 
     parse.__name__ = kind.__name__
     return parse
+
+
+def _shard(text: str) -> tuple[int, int]:
+    k, sep, n = text.partition("/")
+    if not sep or not k.strip().isdigit() or not n.strip().isdigit() or not 1 <= int(k) <= int(n):
+        raise argparse.ArgumentTypeError(f"expected K/N with 1 <= K <= N, got {text!r}")
+    return int(k), int(n)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -103,12 +123,20 @@ def parser() -> argparse.ArgumentParser:
         "declares). Each chunk of draws fixes one dtype, so shrinking never changes a failure's dtype",
     )
     what.add_argument("--seed", type=int, default=0, help="base seed of the draws (default %(default)s)")
+    what.add_argument(
+        "--shard",
+        type=_shard,
+        metavar="K/N",
+        help="run shard K of N (1 <= K <= N) of this campaign: seeds and draws disjoint from the other "
+        "shards', each shard a complete campaign with its own summary; --merge combines them",
+    )
     how = p.add_argument_group("workers and failures")
     how.add_argument(
         "--workers",
         type=_positive(int),
         metavar="N",
-        help="worker processes (default: one per CPU core, or one per GPU)",
+        help="worker processes (default: one per CPU core; on a GPU host the cores shared out over every "
+        "visible GPU, at most one per 8 GiB of its memory)",
     )
     how.add_argument(
         "--max-failures",
@@ -149,7 +177,30 @@ def parser() -> argparse.ArgumentParser:
         "(default: fuzz/ledger.json)",
     )
     files.add_argument(
+        "--kernel-cache",
+        type=pathlib.Path,
+        metavar="DIR",
+        help="where compiled kernels are kept for the next campaign (Triton's and torch.compile's "
+        "caches; default: TRITON_CACHE_DIR when set, else .cache/kernels in the repository)",
+    )
+    files.add_argument(
+        "--example-db",
+        metavar="DIR|MODULE:ATTR",
+        help="the hypothesis example database where failures are saved and from which the saved ones "
+        "are replayed first: a directory (shared storage for shards on many hosts), a "
+        "hypothesis ExampleDatabase named package.module:attr, or `none` (default: "
+        ".hypothesis/examples/<implementation>, the tests' own)",
+    )
+    files.add_argument(
         "--summary", type=pathlib.Path, metavar="FILE", help="also write the JSON summary here"
+    )
+    files.add_argument(
+        "--merge",
+        type=pathlib.Path,
+        nargs="+",
+        metavar="SUMMARY",
+        help="combine the JSON summaries of a campaign's shards (their failures and ledger entries) "
+        "into one report (and --summary FILE) and exit",
     )
     files.add_argument(
         "--replay",
@@ -171,6 +222,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.minutes = DEFAULT_MINUTES
     if args.replay is not None and not args.replay.is_file():
         p.error(f"--replay: {args.replay} is not a file")
+    for path in args.merge or ():
+        if not path.is_file():
+            p.error(f"--merge: {path} is not a file")
     if args.ledger != HERE / "ledger.json" and not args.ledger.is_file():
         p.error(f"--ledger: {args.ledger} is not a file")
     return args
@@ -184,6 +238,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     args = parse_args(argv)
+    if args.merge:
+        from fuzz.merge import main_merge
+
+        return main_merge(args.merge, args.summary)
     if args.replay:
         from fuzz.case_file import main_replay
 

@@ -3,19 +3,25 @@ print the summary.
 
 The parent loads the implementation once, only to fail early on a bad name and to say which targets
 can run; the workers are spawned processes that load it again by name (fuzz/worker.py). On the CPU
-each gets TRITON_INTERPRET=1 and one thread; on a GPU host there is one worker per GPU, each seeing
-only its own through CUDA_VISIBLE_DEVICES. `--max-cases N` is a count per target over the whole
-campaign, split evenly among the workers.
+each gets TRITON_INTERPRET=1 and one thread; on a GPU host the cores are shared out over every
+visible GPU (`plan_workers`), each worker seeing only its own GPU through CUDA_VISIBLE_DEVICES:
+most of a case's CPU time is compiling, which then runs in parallel while the cases share the GPU.
+Every worker keeps its compiled kernels in one directory (`cache_environment`), which the next
+campaign reuses. `--max-cases N` is a count per target over the whole campaign, split evenly among
+the workers; `--shard K/N` makes the campaign one of N disjoint ones (fuzz/worker.py), merged
+afterwards by fuzz/merge.py.
 """
 
 import json
 import multiprocessing as mp
 import os
+import pathlib
 import queue as queue_mod
 import sys
 import time
+import uuid
 
-from fuzz import backend_names, case_file, summary
+from fuzz import backend_names, case_file, saved_failures, summary
 from fuzz.ledger import Ledger
 from harness.records import jsonable
 
@@ -25,6 +31,9 @@ NOTHING_TO_FUZZ = 2  # exit code when no requested target can run
 # How long workers may run past the time box: hypothesis stops a shrink after five minutes, so
 # beyond that (plus a slow case) a worker is stuck, and it is stopped with a loud note.
 OVERRUN_LIMIT_S = 6 * 60.0
+# GPU memory per worker: its CUDA context and the largest campaign case's float64 oracle, with room.
+WORKER_GPU_BYTES = 8 * 2**30
+KERNEL_CACHE = pathlib.Path(__file__).resolve().parent.parent / ".cache" / "kernels"
 
 
 def worker_entry(env: dict, cfg: dict, queue) -> None:
@@ -35,16 +44,57 @@ def worker_entry(env: dict, cfg: dict, queue) -> None:
     worker.main(cfg, queue)
 
 
-def plan_workers(requested: int | None) -> tuple[int, list[dict]]:
-    """(worker count, per-worker environment): one per GPU when there are GPUs, else one per core."""
+def cpu_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process sees, as CUDA_VISIBLE_DEVICES entries (its own list when it has one)."""
     import torch
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus:
-        n = requested or gpus
-        return n, [{"CUDA_VISIBLE_DEVICES": str(i % gpus)} for i in range(n)]
-    n = requested or os.cpu_count() or 1
-    return n, [{"TRITON_INTERPRET": "1"} for _ in range(n)]
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    listed = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return listed[:count] if listed else [str(i) for i in range(count)]
+
+
+def gpu_memory_bytes(index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(index).total_memory
+
+
+def plan_workers(requested: int | None, cores: int | None = None, gpus=None) -> tuple[int, list[dict]]:
+    """(worker count, per-worker environment).
+
+    On a CPU: one worker per core, each under the interpreter with one thread. On GPUs: the cores
+    shared out over every visible GPU, at most one worker per WORKER_GPU_BYTES of a GPU's memory,
+    so that compilations (CPU work) run in parallel while the cases share the GPU; worker i sees only
+    GPU i mod count (CUDA_VISIBLE_DEVICES) and gets its share of the cores as threads.
+    """
+    cores = cores or cpu_cores()
+    gpus = visible_gpus() if gpus is None else gpus
+    if not gpus:
+        n = requested or cores
+        return n, [{"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"} for _ in range(n)]
+    per_gpu = [
+        max(1, min(cores // len(gpus), gpu_memory_bytes(i) // WORKER_GPU_BYTES)) for i in range(len(gpus))
+    ]
+    n = requested or sum(per_gpu)
+    threads = str(max(1, cores // n))
+    # Round-robin over the GPUs, each up to its share: worker i on GPU i mod count while shares last.
+    order = [g for k in range(max(per_gpu)) for g in range(len(gpus)) if k < per_gpu[g]]
+    order = [order[i % len(order)] for i in range(n)]
+    return n, [{"CUDA_VISIBLE_DEVICES": gpus[g], "OMP_NUM_THREADS": threads} for g in order]
+
+
+def cache_environment(kernel_cache) -> dict:
+    """Where the workers keep compiled kernels (Triton's and torch.compile's), so a second campaign
+    reuses them: `kernel_cache`, else a TRITON_CACHE_DIR already set, else KERNEL_CACHE."""
+    if kernel_cache is None and os.environ.get("TRITON_CACHE_DIR"):
+        return {}
+    root = pathlib.Path(kernel_cache or KERNEL_CACHE).expanduser().resolve()
+    return {"TRITON_CACHE_DIR": str(root / "triton"), "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor")}
 
 
 def share(total: int | None, workers: int, i: int) -> int | None:
@@ -82,6 +132,9 @@ def run(args) -> int:
     n, envs = plan_workers(args.workers)
     if args.max_cases is not None:
         n = max(1, min(n, args.max_cases))
+    caches = cache_environment(args.kernel_cache)
+    envs = [env | caches for env in envs]
+    example_db = args.example_db if args.example_db is not None else saved_failures.default_location(name)
     budget = None if args.minutes is None else args.minutes * 60.0
     start = time.time()
     cfg = dict(
@@ -94,14 +147,24 @@ def run(args) -> int:
         max_failures=args.max_failures,
         failures_dir=str(args.failures_dir.resolve()),
         ledger=str(args.ledger.resolve()),
-        threads=1 if not torch.cuda.is_available() else 0,
+        threads=0,  # the workers' environment says (OMP_NUM_THREADS)
         case_timeout=args.case_timeout,
+        shard=args.shard,
+        run_id=uuid.uuid4().hex,
+        example_db=None if str(example_db) == "none" else str(example_db),
+        workers=n,
     )
     bounds = [f"a time box of {args.minutes:g} min"] if budget is not None else []
     bounds += [f"{args.max_cases} drawn cases per target"] if args.max_cases is not None else []
+    where = "CPU"
+    if torch.cuda.is_available():
+        gpus = sorted({env["CUDA_VISIBLE_DEVICES"] for env in envs})
+        where = f"{len(gpus)} GPU(s) ({', '.join(gpus)})"
+    shard = "" if args.shard is None else f", shard {args.shard[0]}/{args.shard[1]}"
     _say(
-        f"fuzz: {n} worker(s) on {'GPU' if torch.cuda.is_available() else 'CPU'}, {' and '.join(bounds)}, "
-        f"seed {args.seed}; {summary.WORST_RATIO}"
+        f"fuzz: {n} worker(s) on {where}, {' and '.join(bounds)}, seed {args.seed}{shard}; "
+        f"compiled kernels in {caches.get('TRITON_CACHE_DIR', os.environ.get('TRITON_CACHE_DIR'))}; "
+        f"saved failures replayed from {cfg['example_db']}; {summary.WORST_RATIO}"
     )
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -192,14 +255,20 @@ def finish(args, name: str, tally: summary.Tally, elapsed: float, workers: int) 
     code = 1 if failed else (NOTHING_TO_FUZZ if nothing_ran else 0)
     print(f"summary: backend {name}, {workers} worker(s), {elapsed:.1f} s; {summary.WORST_RATIO}")
     print(summary.status_table(tally) or "  no case ran")
+    split = summary.time_split(tally)
+    if split:
+        print("where the workers' time went (share of worker-seconds; ms per judged case):")
+        print(summary.time_table(split))
     data = {
         "backend": name,
         "targets": args.target,
         "dtypes": list(args.dtype or ()),
         "workers": workers,
         "seed": args.seed,
+        "shard": None if args.shard is None else list(args.shard),
         "minutes": args.minutes,
         "max_cases": args.max_cases,
+        "ledger": str(args.ledger),
     }
     data |= summary.summary_dict(tally, elapsed)
     data |= {"stale_ledger_entries": [e.id for e, _ in stale], "exit_code": code}

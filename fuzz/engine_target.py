@@ -19,10 +19,13 @@ declare all of that makes the target unavailable (with the reason) instead of fa
 import math
 from types import SimpleNamespace
 
+from hypothesis import strategies as st
+
 from harness.cases import EngineCase
 from harness.engine_check import compare_cold_warm
 from harness.judge import Verdict, raised, unsupported
-from harness.strategies import engine_cases
+from harness.strategies import ENGINE_PAGE_SIZES, case_seeds, engine_cases
+from harness.timing import phase
 
 MODEL = "tiny"
 DTYPE = "float32"  # the equivalence allowance is float32's floor
@@ -46,9 +49,20 @@ class EngineTarget:
     def dtypes(self, impl, requested) -> tuple[str, ...]:
         return (DTYPE,) if DTYPE in impl.capabilities.dtypes and (not requested or DTYPE in requested) else ()
 
-    def strategy(self, impl, device: str, dtype: str):
-        sizes = impl.capabilities.page_sizes
-        return engine_cases() if sizes is None else engine_cases().filter(lambda c: c.page_size in sizes)
+    def keys(self, impl, device: str, dtype: str):
+        """Page sizes: the engine's only compile-time choice (the tiny model fixes everything else)."""
+        declared = impl.capabilities.page_sizes
+        sizes = [p for p in ENGINE_PAGE_SIZES if declared is None or p in declared]
+        if not sizes:
+            raise ValueError(f"no declared page size among the engine's {ENGINE_PAGE_SIZES}")
+        return st.sampled_from(sizes)
+
+    def strategy(self, impl, device: str, dtype: str, key=None, shard=None):
+        if key is None:
+            return self.keys(impl, device, dtype).flatmap(
+                lambda p: self.strategy(impl, device, dtype, p, shard)
+            )
+        return engine_cases(page_size=key, seeds=case_seeds(shard))
 
     def case_from_dict(self, d: dict) -> EngineCase:
         return EngineCase.from_dict(d)
@@ -64,11 +78,13 @@ class EngineTarget:
         if sizes is not None and case.page_size not in sizes:  # a replay on another implementation
             return Verdict("unsupported", message=f"page size {case.page_size} not declared")
         try:
-            problem = pool_check(case)
+            with phase("oracle"):  # the reference cache model
+                problem = pool_check(case)
             if problem:
                 return Verdict("failed", math.inf, f"block pool vs model: {problem}")
-            cold = engine_runs(case, impl.name, device, caching=False)
-            warm = engine_runs(case, impl.name, device, caching=True)
+            with phase("implementation"):  # the engine on the implementation, cold and warm
+                cold = engine_runs(case, impl.name, device, caching=False)
+                warm = engine_runs(case, impl.name, device, caching=True)
         except NotImplementedError as exc:
             return unsupported(exc)
         except Exception as exc:  # noqa: BLE001  (any exception of the engine or the implementation is a finding)

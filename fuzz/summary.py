@@ -16,6 +16,9 @@ import math
 import time
 from collections import defaultdict
 
+# Where the workers' time went, per target (harness/timing.py; `startup` is a child process's start,
+# `harness` all the rest: drawing, building inputs, judging, pipes).
+TIME_PHASES = ("compile", "implementation", "oracle", "startup", "harness")
 STATUSES = ("passed", "failed", "unsupported", "crashed", "hung", "known", "skipped")
 FAILURE_STATUSES = ("failed", "crashed", "hung")
 WORST_RATIO = "worst ratio = contract §5's worst gate ratio, error / allowed error (<= 1 passes)"
@@ -38,6 +41,7 @@ class Tally:
         self.shrinking = 0
         self.start = time.time() if start is None else start
         self.first_failure_s: float | None = None  # when the first failing case was judged
+        self.seconds = defaultdict(lambda: dict.fromkeys(TIME_PHASES, 0.0))  # target -> phase -> s
 
     def on(self, msg: tuple) -> bool:
         """Applies one worker message; True when it says the worker is done."""
@@ -49,6 +53,10 @@ class Tally:
                 self.first_failure_s = round(time.time() - self.start, 1)
             if status in ("passed", "failed", "known"):
                 self.worst[target][dtype] = max(self.worst[target].get(dtype, 0.0), ratio)
+        elif kind == "seconds":
+            target, seconds = rest
+            for phase, value in seconds.items():
+                self.seconds[target][phase] = self.seconds[target].get(phase, 0.0) + value
         elif kind == "shrinking":
             self.shrinking += 1
         elif kind == "failure":
@@ -145,6 +153,36 @@ def status_table(tally: Tally) -> str:
     return "\n".join(lines)
 
 
+def time_split(tally: Tally) -> dict:
+    """Per target: worker seconds per phase, their shares, and the milliseconds per judged case."""
+    split = {}
+    for target in sorted(tally.seconds):
+        seconds = tally.seconds[target]
+        total = sum(seconds.values())
+        cases = sum(tally.status_counts(target).values())
+        split[target] = {
+            "seconds": {p: round(v, 2) for p, v in seconds.items()},
+            "share": {p: round(v / total, 3) if total else 0.0 for p, v in seconds.items()},
+            "ms_per_case": {p: round(1e3 * v / cases, 1) if cases else None for p, v in seconds.items()},
+            "cases": cases,
+        }
+    return split
+
+
+def time_table(split: dict) -> str:
+    """The time split as aligned text: one line per target, the share of each phase."""
+    lines = []
+    for target, row in split.items():
+        cells = "  ".join(
+            f"{p} {100 * row['share'].get(p, 0.0):.0f}%"
+            + (f" ({row['ms_per_case'][p]:.0f} ms/case)" if row["ms_per_case"].get(p) else "")
+            for p in TIME_PHASES
+            if p in row["share"]
+        )
+        lines.append(f"  {target:<9}{sum(row['seconds'].values()):8.1f} worker-s  {cells}")
+    return "\n".join(lines)
+
+
 def summary_dict(tally: Tally, elapsed: float) -> dict:
     """The JSON summary's counts, rates and worst ratios (the campaign adds its settings and verdict)."""
     minutes = max(elapsed, 1e-9) / 60.0
@@ -161,7 +199,9 @@ def summary_dict(tally: Tally, elapsed: float) -> dict:
             t: {d: (r if math.isfinite(r) else "inf") for d, r in by.items()} for t, by in tally.worst.items()
         },
         "worst_ratio_means": WORST_RATIO,
+        "time_split": time_split(tally),
         "first_failure_s": tally.first_failure_s,
+        "first_saved_failure_s": min((f["saved_after_s"] for f in tally.failures), default=None),
         "failures": tally.failures,
         "unavailable": tally.unavailable,
         "notes": tally.notes,

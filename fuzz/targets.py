@@ -8,9 +8,11 @@ is judged, all through the harness.
   (`harness.cases.write_kv_inputs`), judged by `harness.judge.judge_write_kv` (bit for bit).
 - `engine`: fuzz/engine_target.py.
 
-Every case is drawn with one dtype fixed (`strategy(impl, device, dtype)`), so hypothesis can never
-shrink a failure into another dtype. `run_case` runs one case with the implementation's own
-allocations NaN-poisoned (harness/poison.py), so an output it never writes fails.
+Every case is drawn with one dtype and one compile-time key fixed (`keys(impl, device, dtype)`
+draws the keys, `strategy(impl, device, dtype, key, shard)` the cases), so hypothesis can never
+shrink a failure into another dtype, and a chunk of draws reuses its compiled kernels. `run_case`
+runs one case with the implementation's own allocations NaN-poisoned (harness/poison.py), so an
+output it never writes fails.
 
 Imported only after TRITON_INTERPRET is set (by fuzz/worker.py or the replay path).
 """
@@ -18,9 +20,9 @@ Imported only after TRITON_INTERPRET is set (by fuzz/worker.py or the replay pat
 import math
 
 from fuzz.engine_target import EngineTarget
-from harness import judge
+from harness import judge, timing
 from harness.cases import AttentionCase, write_kv_inputs
-from harness.strategies import fuzz_attention_cases
+from harness.strategies import case_seeds, fuzz_attention_cases, fuzz_attention_shapes
 
 TARGETS = ("prefill", "decode", "write_kv", "engine")
 
@@ -40,9 +42,20 @@ class AttentionTarget:
         """The dtypes to draw: the declared ones, narrowed to `requested` (--dtype) when given."""
         return tuple(d for d in impl.capabilities.dtypes if not requested or d in requested)
 
-    def strategy(self, impl, device: str, dtype: str):
+    def keys(self, impl, device: str, dtype: str):
+        """The compile-time parts a chunk of draws fixes (harness.cases.AttentionShape)."""
+        return fuzz_attention_shapes(caps=impl.capabilities, device=device, dtypes=(dtype,))
+
+    def strategy(self, impl, device: str, dtype: str, key=None, shard=None):
+        """Cases of `dtype` with the compile-time part `key` (None: drawn too); `shard` (k, n)
+        draws only that shard's seeds (harness.strategies.case_seeds)."""
         return fuzz_attention_cases(
-            caps=impl.capabilities, device=device, decode=self.decode, dtypes=(dtype,)
+            caps=impl.capabilities,
+            device=device,
+            decode=self.decode,
+            dtypes=(dtype,),
+            shape=key,
+            seeds=case_seeds(shard),
         )
 
     def case_from_dict(self, d: dict) -> AttentionCase:
@@ -107,9 +120,14 @@ def plan(impl, names, requested_dtypes) -> tuple[dict, dict]:
 
 def run_case(target_name: str, impl, case: dict, device) -> judge.Verdict:
     """One case, as plain values (a case file's or a message's), through the target of that name
-    (the judge poisons the implementation's fresh allocations)."""
+    (the judge poisons the implementation's fresh allocations). The verdict's `seconds` say where
+    the case's time went (harness/timing.py)."""
     target = all_targets()[target_name]
-    return target.run(impl, target.case_from_dict(case), device)
+    timing.watch_compiles()
+    timing.CLOCK.take()
+    verdict = target.run(impl, target.case_from_dict(case), device)
+    verdict.seconds = timing.CLOCK.take()
+    return verdict
 
 
 def _number(x) -> str:

@@ -8,8 +8,13 @@ child (bounded by CRASH_SHRINK_S of wall time), and the campaign goes on with a 
 
 The worker loads the implementation by its registry name itself (it is a spawned process), then runs
 `@given` in short chunks (a fresh seed each), rotating over its targets and, within a target, over
-the dtypes to draw: each chunk draws with ONE dtype fixed, so the shrinker can never move a failure
-into another dtype. It stops drawing when the time box is over (`end_time`, if any), when a target
+the dtypes to draw: each chunk draws with ONE dtype and ONE compile-time key fixed (the target's
+`keys` strategy, sampled by hypothesis in batches, so every key stays reachable), so the shrinker can
+never move a failure into another dtype, and a chunk compiles its kernels once and reuses them for
+all its draws. Before each chunk, the failures other campaigns saved in the example database are
+replayed (fuzz/saved_failures.py). Seeds derive from the campaign's seed, its shard and the worker;
+a shard's cases draw only its own tensor seeds (harness.strategies.case_seeds), so shards never draw
+the same case. It stops drawing when the time box is over (`end_time`, if any), when a target
 has drawn its quota of cases (`max_cases`, this worker's share of --max-cases), or when a target has
 saved `max_failures` failures.
 
@@ -23,21 +28,25 @@ the parent through a queue as plain tuples.
 Imported only after the parent set TRITON_INTERPRET / CUDA_VISIBLE_DEVICES (fuzz/campaign.py).
 """
 
+import hashlib
 import json
+import random
 import time
-import zlib
 from collections import defaultdict
 
 import torch
 from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings
 
-from fuzz import backend_names, case_file, targets
+from fuzz import backend_names, case_file, saved_failures, targets
 from fuzz.ledger import Ledger
 from harness import registry
 from harness.isolation import DEFAULT_CASE_TIMEOUT_S, InProcess, Isolated
 from harness.judge import Verdict
 
-CHUNK_EXAMPLES = 8  # draws per @given run, before rotating to the next target
+# Draws per @given run (a chunk): one compile-time key each, before rotating to the next target. On a
+# GPU a key's first case compiles (about 2 s on the H200) and the others reuse it (tens of ms each).
+CHUNK_EXAMPLES = {"cpu": 8, "cuda": 24}
+KEYS_PER_BATCH = 16  # compile-time keys drawn at once per target and dtype
 MEMO_LIMIT = 20_000
 # Shrinking a crash or a hang restarts a child per failing candidate: at most this long per failure.
 CRASH_SHRINK_S = 90.0
@@ -61,8 +70,15 @@ class Worker:
         self.end = cfg.get("end_time")  # None: no time box
         self.quota = cfg.get("max_cases")  # drawn cases per target for this worker; None: no bound
         self.max_shrinks = cfg.get("max_shrinks")  # None: hypothesis's own bounds only
+        self.shard = tuple(cfg["shard"]) if cfg.get("shard") else None  # (k, n)
+        self.chunk_examples = cfg.get("chunk_examples") or CHUNK_EXAMPLES[torch.device(self.device).type]
         self.memo: dict[tuple, Verdict] = {}
         self.drawn: dict[str, int] = defaultdict(int)
+        self.keys: dict[tuple, list] = defaultdict(list)  # (target, dtype) -> compile-time keys to come
+        self.key_batches: dict[tuple, int] = defaultdict(int)
+        self.seconds: dict[str, float] = defaultdict(float)  # phase -> seconds, of the current chunk
+        self.examples = saved_failures.open_database(cfg.get("example_db"))
+        self.replayed: set[int] = set()
         self.failures: dict[str, int] = defaultdict(int)
         self.shrink_runs = 0
         self.shrink_deadline = None  # wall-clock end of a crash's shrink
@@ -105,17 +121,21 @@ class Worker:
         while active and not self.time_over():
             name = active[(chunk + wid) % len(active)]
             target, dtypes = plan[name]
+            started = time.perf_counter()
+            self.replay_saved(target)
             dtype = dtypes[(chunks_of[name] + wid) % len(dtypes)]
             chunks_of[name] += 1
             try:
-                strategy = target.strategy(self.impl, self.device, dtype)
+                strategy = target.strategy(
+                    self.impl, self.device, dtype, self.next_key(target, dtype), self.shard
+                )
             except Exception as exc:  # noqa: BLE001  (nothing to draw within what is declared)
                 self.send("note", name, f"stopped: cannot draw {dtype} cases: {type(exc).__name__}: {exc}")
                 active.remove(name)
                 continue
-            chunk_seed = zlib.crc32(f"{self.cfg['seed']}/{wid}/{chunk}".encode())
-            new = self.run_chunk(target, strategy, chunk_seed)
+            new = self.run_chunk(target, strategy, self.seed_of("chunk", chunk))
             chunk += 1
+            self.send_seconds(name, time.perf_counter() - started)
             idle[name] = 0 if new else idle[name] + 1
             why = None
             if self.failures[name] >= self.cfg["max_failures"]:
@@ -127,6 +147,66 @@ class Worker:
             if why or self.quota_reached(target):
                 active.remove(name)
         self.send("done")
+
+    def seed_of(self, *parts) -> int:
+        """A seed of this campaign, shard and worker for `parts`: distinct shards never share one."""
+        shard = "" if self.shard is None else f"/shard{self.shard[0]}of{self.shard[1]}"
+        text = "/".join(map(str, (self.cfg["seed"], shard, self.cfg["worker_id"], *parts)))
+        return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
+
+    def next_key(self, target, dtype: str):
+        """The compile-time key of the next chunk of `target` and `dtype`, drawn by hypothesis from the
+        target's key strategy in batches (every key of the domain stays reachable)."""
+        queue = self.keys[(target.name, dtype)]
+        if not queue:
+            batch = self.key_batches[(target.name, dtype)]
+            self.key_batches[(target.name, dtype)] += 1
+            seed_value = self.seed_of("keys", target.name, dtype, batch)
+            keys = sample(target.keys(self.impl, self.device, dtype), KEYS_PER_BATCH, seed_value)
+            # Hypothesis tries the simplest value first: shuffled, it does not open every worker's run.
+            random.Random(seed_value).shuffle(keys)
+            queue.extend(keys)
+        return queue.pop(0)
+
+    def send_seconds(self, target_name: str, wall: float) -> None:
+        """Sends where a chunk's wall time went; what no phase claims is the harness's."""
+        seconds, self.seconds = dict(self.seconds), defaultdict(float)
+        seconds["harness"] = max(0.0, wall - sum(seconds.values()))
+        self.send("seconds", target_name, seconds)
+
+    def run_isolated(self, target_name: str, case: dict) -> Verdict:
+        """One case in the child process, its time added to the current chunk's phases."""
+        starts, started = self.isolated.starts, time.perf_counter()
+        verdict = self.isolated.run(target_name, case)
+        wall = time.perf_counter() - started
+        if verdict.seconds:
+            for name, seconds in verdict.seconds.items():
+                self.seconds[name] += seconds
+        elif verdict.status in ("crashed", "hung"):
+            self.seconds["implementation"] += wall  # it died or overran inside the implementation
+        if self.isolated.starts != starts:
+            self.seconds["startup"] += self.isolated.last_start_s
+        return verdict
+
+    def replay_saved(self, target) -> None:
+        """Runs first the failures that other campaigns (other shards) saved in the example database,
+        each once per campaign, by one worker; one that still fails is this campaign's failure too,
+        one that passes now leaves the database (fuzz/saved_failures.py)."""
+        for entry in saved_failures.fetch(self.examples, self.name, target.name):
+            if entry.digest in self.replayed or entry.run_id == self.cfg.get("run_id"):
+                continue
+            self.replayed.add(entry.digest)
+            if entry.owner(self.cfg.get("workers", 1)) != self.cfg["worker_id"]:
+                continue
+            case = target.case_from_dict(entry.case)
+            verdict = self.check(target, case, shrinking=False)
+            if verdict is None:
+                return
+            if verdict.failed:
+                verdict.message = f"{verdict.message} (replayed first: saved by {entry.found_by})"
+                self.save(target, case, verdict)
+            elif verdict.status == "passed":
+                saved_failures.forget(self.examples, self.name, target.name, entry)
 
     def check(self, target, case, shrinking: bool) -> Verdict | None:
         """Judges (or recalls) one case; None when it is not run (time box over, quota, shrink cap)."""
@@ -147,7 +227,7 @@ class Worker:
         if entry is not None and entry.kind == "crash":
             verdict = Verdict("skipped", message=f"ledger entry {entry.id} (crash): not launched")
         else:
-            verdict = self.isolated.run(target.name, case.to_dict())
+            verdict = self.run_isolated(target.name, case.to_dict())
             if entry is not None and verdict.failed:
                 verdict = Verdict("known", verdict.ratio, f"ledger entry {entry.id}: {verdict.message}")
         verdict.outputs = None  # the memo keeps verdicts, not tensors
@@ -164,7 +244,7 @@ class Worker:
 
         @seed(chunk_seed)
         @settings(
-            max_examples=CHUNK_EXAMPLES,
+            max_examples=self.chunk_examples,
             deadline=None,
             database=None,
             derandomize=False,
@@ -216,6 +296,8 @@ class Worker:
         )
         if not report:
             return path
+        if "replayed first" not in verdict.message:
+            saved_failures.remember(self.examples, self.name, target.name, case.to_dict(), self.found_by())
         self.failures[target.name] += 1
         failure = dict(
             target=target.name,
@@ -229,6 +311,32 @@ class Worker:
         )
         self.send("failure", failure)
         return path
+
+    def found_by(self) -> dict:
+        shard = None if self.shard is None else f"{self.shard[0]}/{self.shard[1]}"
+        return {"run_id": self.cfg.get("run_id"), "shard": shard, "seed": self.cfg["seed"]}
+
+
+def sample(strategy, n: int, seed_value: int) -> list:
+    """Up to n values of `strategy`, drawn by hypothesis with `seed_value` (generation only: fewer when
+    the strategy holds fewer distinct values)."""
+    found = []
+
+    @seed(seed_value)
+    @settings(
+        max_examples=n,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+        verbosity=Verbosity.quiet,
+    )
+    @given(value=strategy)
+    def collect(value):
+        found.append(value)
+
+    collect()
+    return found
 
 
 def main(cfg: dict, queue) -> None:

@@ -74,6 +74,36 @@ class LayoutSpec:
 
 
 @dataclass(frozen=True)
+class AttentionShape:
+    """The part of an attention case that kernels typically compile for: dtype, heads, head dim,
+    page size, layout family and sparse block size (Triton constexprs, the divisibility of strides).
+
+    The campaign fixes one shape for a chunk of draws and varies everything else (fuzz/worker.py),
+    so a chunk compiles once.
+    """
+
+    dtype: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    layout_kind: str
+    block_size: int
+
+    @classmethod
+    def of(cls, case: "AttentionCase") -> "AttentionShape":
+        return cls(
+            case.dtype,
+            case.num_heads,
+            case.num_kv_heads,
+            case.head_dim,
+            case.page_size,
+            case.layout.kind,
+            case.layout.block_size,
+        )
+
+
+@dataclass(frozen=True)
 class AttentionCase:
     """One paged-attention problem: batch shape, cache geometry, layout, dtype and a seed."""
 

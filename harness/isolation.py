@@ -95,8 +95,10 @@ class Isolated:
         self.case_timeout = case_timeout
         self.proc = self.conn = None
         self.starts = 0  # children started so far
+        self.last_start_s = 0.0  # how long the last one took to be ready (torch, the implementation)
 
     def _start(self) -> None:
+        started = time.monotonic()
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_serve, args=(child, self.backend, self.device, self.env), daemon=True)
@@ -108,6 +110,7 @@ class Isolated:
             raise RuntimeError(f"the child for {self.backend} did not start within {START_LIMIT_S:g} s")
         try:
             self.conn.recv()  # ("ready", None)
+            self.last_start_s = time.monotonic() - started
         except EOFError as exc:
             self.proc.join(5)
             code = self.proc.exitcode
@@ -174,6 +177,7 @@ class InProcess:
 
         self.impl = registry.load(backend_names.loadable(backend))
         self.device, self.targets = device, targets
+        self.starts, self.last_start_s = 0, 0.0
 
     def run(self, target: str, case: dict):
         return self.targets.run_case(target, self.impl, case, self.device)

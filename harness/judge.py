@@ -26,6 +26,7 @@ import reference
 from harness.cases import DTYPES, AttentionCase, attention_args, build_inputs
 from harness.poison import poison_allocations
 from harness.records import jsonable
+from harness.timing import phase
 from harness.tolerance import LEVELS, TOLERANCE, ErrorStats, error_stats
 from reference.paged_prefill import prefill_float64
 from reference.validation import validate_paged_prefill
@@ -46,6 +47,7 @@ class Verdict:
     message: str = ""
     stats: dict = field(default_factory=dict)
     outputs: tuple | None = field(default=None, repr=False, compare=False)  # (out, lse or None)
+    seconds: dict = field(default_factory=dict, repr=False, compare=False)  # harness/timing.py's phases
 
     @property
     def passed(self) -> bool:
@@ -191,16 +193,19 @@ def judge_attention(
     inputs = build_inputs(case, device) if inputs is None else inputs
     with_lse = impl.capabilities.lse
     try:
-        outputs = guarded_call(lambda: call_attention(impl, inputs, decode, with_lse), device)
-        if check_without_lse and with_lse:
-            alone = guarded_call(lambda: call_attention(impl, inputs, decode, False), device)[0]
-        else:
-            alone = None
+        with phase("implementation"):
+            outputs = guarded_call(lambda: call_attention(impl, inputs, decode, with_lse), device)
+            if check_without_lse and with_lse:
+                alone = guarded_call(lambda: call_attention(impl, inputs, decode, False), device)[0]
+            else:
+                alone = None
     except NotImplementedError as exc:
         return unsupported(exc)
     except Exception as exc:  # noqa: BLE001  (any exception of the implementation is a finding)
         return raised(exc, device)
-    truth = oracle(inputs) if truth is None else truth
+    if truth is None:
+        with phase("oracle"):
+            truth = oracle(inputs)
     verdict = judge_outputs(op, outputs, truth, DTYPES[case.dtype], inputs["q"].shape)
     if alone is not None and verdict.status == "passed" and not same_bits(alone, outputs[0]):
         return Verdict("failed", math.inf, f"{op}: out without return_lse differs from out with it")
@@ -233,15 +238,19 @@ def judge_write_kv(impl, inputs: dict, case=None) -> Verdict:
         return Verdict("unsupported", message=refused)
     expect = {k: inputs[k].clone() for k in ("k_cache", "v_cache")}
     got = {k: inputs[k].clone() for k in ("k_cache", "v_cache")}
-    reference.write_kv(inputs["k"], inputs["v"], expect["k_cache"], expect["v_cache"], inputs["slot_mapping"])
+    with phase("oracle"):
+        reference.write_kv(
+            inputs["k"], inputs["v"], expect["k_cache"], expect["v_cache"], inputs["slot_mapping"]
+        )
     device = got["k_cache"].device
     try:
-        guarded_call(
-            lambda: impl.write_kv(
-                inputs["k"], inputs["v"], got["k_cache"], got["v_cache"], inputs["slot_mapping"]
-            ),
-            device,
-        )
+        with phase("implementation"):
+            guarded_call(
+                lambda: impl.write_kv(
+                    inputs["k"], inputs["v"], got["k_cache"], got["v_cache"], inputs["slot_mapping"]
+                ),
+                device,
+            )
     except NotImplementedError as exc:
         return unsupported(exc)
     except Exception as exc:  # noqa: BLE001

@@ -13,6 +13,7 @@ from harness.cases import (
     DTYPES,
     LAYOUT_KINDS,
     AttentionCase,
+    AttentionShape,
     EngineCase,
     EngineRequest,
     EngineStream,
@@ -34,6 +35,7 @@ DENSITIES = (0.0, 0.15, 0.5, 0.85, 1.0)
 # tolerance rule's base) stays finite; 32 also saturates the softmax (weights exp(-32 * gap)).
 SCALE_LIMIT = 32.0
 SPECIAL_SCALES = (0.0, 1.0 / 128, 1e-30, -1e-30, -1.0, SCALE_LIMIT, -SCALE_LIMIT)
+SEED_LIMIT = 2**31 - 1
 
 
 def _allowed(values, declared):
@@ -114,6 +116,38 @@ def context_len(draw, seq_len: int, block_size: int, page_size: int) -> int:
     return min(draw(st.sampled_from(choices)), seq_len - 1)
 
 
+def case_seeds(shard: tuple[int, int] | None = None) -> st.SearchStrategy[int]:
+    """Seeds of a case's tensors; with shard (k, n), 1 <= k <= n, only those congruent to k - 1 mod
+    n, so the draws of different shards of one campaign are disjoint."""
+    if shard is None:
+        return st.integers(0, SEED_LIMIT)
+    k, n = shard
+    return st.integers(0, (SEED_LIMIT - (k - 1)) // n).map(lambda s: s * n + k - 1)
+
+
+@st.composite
+def attention_shapes(
+    draw, *, caps: Capabilities = ALL, max_heads: int = 8, dtypes=tuple(DTYPES), layout_kinds=LAYOUT_KINDS
+):
+    """The compile-time part of `attention_cases` (harness.cases.AttentionShape), within `caps`."""
+    dtypes, kinds = _allowed(dtypes, caps.dtypes), _allowed(layout_kinds, caps.layouts)
+    if not dtypes or not kinds:
+        raise ValueError(f"nothing to draw: dtypes {dtypes}, layouts {kinds} under {caps}")
+    num_kv_heads = draw(st.integers(1, 2))
+    group = draw(st.sampled_from([g for g in GQA_GROUPS if g * num_kv_heads <= max_heads] or [1]))
+    kind = draw(st.sampled_from(kinds))
+    block_size = draw(block_sizes(None if kind == "dense" else caps.block_sizes))
+    return AttentionShape(
+        dtype=draw(st.sampled_from(dtypes)),
+        num_heads=num_kv_heads * group,
+        num_kv_heads=num_kv_heads,
+        head_dim=draw(_sizes(HEAD_DIMS, caps.head_dims)),
+        page_size=draw(page_sizes(block_size, caps.page_sizes)),
+        layout_kind=kind,
+        block_size=block_size,
+    )
+
+
 @st.composite
 def attention_cases(
     draw,
@@ -125,6 +159,8 @@ def attention_cases(
     max_heads: int = 8,
     dtypes=tuple(DTYPES),
     layout_kinds=LAYOUT_KINDS,
+    shape: AttentionShape | None = None,
+    seeds: st.SearchStrategy[int] | None = None,
 ):
     """A mixed batch of sequences with cached contexts over a scattered paged cache.
 
@@ -133,22 +169,20 @@ def attention_cases(
         decode: one query per sequence (`paged_decode`).
         max_seqs, max_seq_len, max_heads: size caps (keep them small under the CPU interpreter).
         dtypes, layout_kinds: narrow the draw further (a test of one layout family, a fuzz --dtype).
+        shape: the compile-time part, fixed (default: drawn by `attention_shapes`, within the above).
+        seeds: the strategy of the tensors' seed (default `case_seeds()`).
     """
-    dtypes, kinds = _allowed(dtypes, caps.dtypes), _allowed(layout_kinds, caps.layouts)
-    if not dtypes or not kinds:
-        raise ValueError(f"nothing to draw: dtypes {dtypes}, layouts {kinds} under {caps}")
-    num_kv_heads = draw(st.integers(1, 2))
-    group = draw(st.sampled_from([g for g in GQA_GROUPS if g * num_kv_heads <= max_heads] or [1]))
-    num_heads = num_kv_heads * group
-    kind = draw(st.sampled_from(kinds))
-    sparse_sizes = block_sizes(caps.block_sizes)
-    if kind == "dense":
-        layout = LayoutSpec(block_size=draw(block_sizes()))
-    elif kind == "local_strided":
-        layout = draw(local_strided_layouts(num_heads, sparse_sizes))
+    if shape is None:
+        shape = draw(
+            attention_shapes(caps=caps, max_heads=max_heads, dtypes=dtypes, layout_kinds=layout_kinds)
+        )
+    block = st.just(shape.block_size)
+    if shape.layout_kind == "dense":
+        layout = LayoutSpec(block_size=shape.block_size)
+    elif shape.layout_kind == "local_strided":
+        layout = draw(local_strided_layouts(shape.num_heads, block))
     else:
-        layout = draw(block_mask_layouts(sparse_sizes))
-    page = draw(page_sizes(layout.block_size, caps.page_sizes))
+        layout = draw(block_mask_layouts(block))
     num_seqs = draw(st.integers(1, max_seqs))
     seq_lens, query_lens = [], []
     for _ in range(num_seqs):
@@ -156,20 +190,20 @@ def attention_cases(
         if decode:
             ctx = n - 1
         elif caps.context:
-            ctx = draw(context_len(n, layout.block_size, page))
+            ctx = draw(context_len(n, shape.block_size, shape.page_size))
         else:
             ctx = 0
         seq_lens.append(n)
         query_lens.append(n - ctx)
     return AttentionCase(
-        seed=draw(st.integers(0, 2**31 - 1)),
+        seed=draw(case_seeds() if seeds is None else seeds),
         seq_lens=tuple(seq_lens),
         query_lens=tuple(query_lens),
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=draw(_sizes(HEAD_DIMS, caps.head_dims)),
-        page_size=page,
-        dtype=draw(st.sampled_from(dtypes)),
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        page_size=shape.page_size,
+        dtype=shape.dtype,
         input_scale=draw(st.sampled_from(INPUT_SCALES)),
         scale=draw(scales()),
         layout=layout,
@@ -186,14 +220,25 @@ FUZZ_CAPS = {
 FUZZ_DECODE_SEQS = {"cpu": 8, "cuda": 32}
 
 
+def fuzz_attention_shapes(*, caps: Capabilities = ALL, device: str = "cpu", dtypes=tuple(DTYPES)):
+    """`attention_shapes` with the fuzz campaign's head cap for `device`."""
+    return attention_shapes(caps=caps, max_heads=FUZZ_CAPS[device]["max_heads"], dtypes=dtypes)
+
+
 def fuzz_attention_cases(
-    *, caps: Capabilities = ALL, device: str = "cpu", decode: bool = False, dtypes=tuple(DTYPES)
+    *,
+    caps: Capabilities = ALL,
+    device: str = "cpu",
+    decode: bool = False,
+    dtypes=tuple(DTYPES),
+    shape: AttentionShape | None = None,
+    seeds: st.SearchStrategy[int] | None = None,
 ):
     """`attention_cases` with the fuzz campaign's wider caps for `device` ("cpu" or "cuda")."""
     sizes = dict(FUZZ_CAPS[device])
     if decode:
         sizes["max_seqs"] = FUZZ_DECODE_SEQS[device]
-    return attention_cases(caps=caps, decode=decode, dtypes=dtypes, **sizes)
+    return attention_cases(caps=caps, decode=decode, dtypes=dtypes, shape=shape, seeds=seeds, **sizes)
 
 
 @st.composite
@@ -202,7 +247,7 @@ def write_kv_cases(draw, *, caps: Capabilities = ALL, max_tokens: int = 48, dtyp
     page = draw(page_sizes(declared=caps.page_sizes))
     num_pages = draw(st.integers(1, max(1, 2 * max_tokens // page + 1)))
     return WriteKVCase(
-        seed=draw(st.integers(0, 2**31 - 1)),
+        seed=draw(case_seeds()),
         num_tokens=draw(st.integers(0, min(max_tokens, page * num_pages))),
         num_kv_heads=draw(st.integers(1, 3)),
         head_dim=draw(_sizes(HEAD_DIMS, caps.head_dims)),
@@ -282,11 +327,24 @@ def pool_prompts(page_size: int) -> st.SearchStrategy[list[int]]:
 TINY_VOCAB = 128
 
 
+ENGINE_PAGE_SIZES = (1, 2, 3, 4, 8, 16)
+
+
 @st.composite
-def engine_cases(draw, *, max_prompts: int = 5, max_len: int = 40, vocab: int = TINY_VOCAB):
+def engine_cases(
+    draw,
+    *,
+    max_prompts: int = 5,
+    max_len: int = 40,
+    vocab: int = TINY_VOCAB,
+    page_size: int | None = None,
+    seeds: st.SearchStrategy[int] | None = None,
+):
     """Prompts cut from a few shared stems plus private suffixes, in 1-3 rounds, over a cache whose
-    size ranges from just enough for the longest request (evictions, preemptions) to roomy."""
-    page = draw(st.sampled_from((1, 2, 3, 4, 8, 16)))
+    size ranges from just enough for the longest request (evictions, preemptions) to roomy.
+    `page_size` fixes the page size (default: drawn from ENGINE_PAGE_SIZES); `seeds` as in
+    `attention_cases`."""
+    page = draw(st.sampled_from(ENGINE_PAGE_SIZES)) if page_size is None else page_size
     token = st.integers(0, vocab - 1)
     stems = draw(st.lists(st.lists(token, min_size=1, max_size=max_len), min_size=1, max_size=3))
     prompts = []
@@ -300,7 +358,7 @@ def engine_cases(draw, *, max_prompts: int = 5, max_len: int = 40, vocab: int = 
     rounds = draw(st.lists(st.lists(indexes, min_size=1, max_size=4), min_size=1, max_size=3))
     longest = max(math.ceil((len(p) + max_tokens - 1) / page) for p in prompts)
     return EngineCase(
-        seed=draw(st.integers(0, 2**31 - 1)),
+        seed=draw(case_seeds() if seeds is None else seeds),
         page_size=page,
         num_pages=longest + draw(st.sampled_from((0, 1, 3, 8, 64))),
         max_tokens=max_tokens,

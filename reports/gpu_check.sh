@@ -9,6 +9,8 @@
 #                                             the accuracy report
 #   bash reports/gpu_check.sh OUT_DIR verdicts-tests   the operator tests of the triton kernels with
 #                                             contract §5's allowances, every dtype (kernels-tests.md)
+#   bash reports/gpu_check.sh OUT_DIR campaign  campaign speed, cold and warm kernel cache, and the time
+#                                             to a planted bug's first failure (campaign-speed.md)
 #   bash reports/gpu_check.sh OUT_DIR verdicts-rest    sharpness and false alarms on the GPU
 #                                             (sharpness.md), and an illegal memory access in the
 #                                             campaign (worker replaced), in --replay and in pytest
@@ -56,6 +58,34 @@ case $part in
     step 120 crash-pytest python3 -m pytest tests/kernels/test_paged_prefill.py -n 2 -p no:cacheprovider \
       -k page_block_pairs --backend "$faults" --failures-dir "$out/crash-pytest-cases"
     grep -E "CRASH|summary|prefill  all|passed|failed" "$out"/crash-*.log >> "$out/summary.txt"
+    ;;
+  campaign)
+    # Issue 15: a default campaign, cold (empty kernel cache) then warm (the same cache, the same
+    # seed); then time to the first saved failure of a planted bug, cold and warm, each with a fresh
+    # example database, and once more replaying the first run's database.
+    minutes=${CAMPAIGN_MINUTES:-2}
+    cache=/tmp/campaign-kernels
+    rm -rf "$cache" /tmp/ttff-kernels
+    nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv -l 5 > "$out/gpu-load.csv" &
+    smi=$!
+    for run in cold warm; do
+      step $((minutes * 60 + 200)) "campaign-$run" python3 -m fuzz --minutes "$minutes" --kernel-cache "$cache" \
+        --example-db none --failures-dir "$out/campaign-cases" --summary "$out/campaign-$run.json"
+    done
+    bug=tests.fuzz.implementations:TRITON_SHARD_OFFSET_DROPPED
+    for run in cold warm replay; do
+      db="$out/ttff-db-$run"
+      [ "$run" = replay ] && db="$out/ttff-db-warm"
+      step $((${TTFF_MINUTES:-1} * 60 + 120)) "first-failure-$run" python3 -m fuzz --backend "$bug" \
+        --minutes "${TTFF_MINUTES:-1}" --target prefill --target decode --max-failures 1 --max-shrinks 30 \
+        --kernel-cache /tmp/ttff-kernels \
+        --example-db "$db" --failures-dir "$out/ttff-cases-$run" --summary "$out/first-failure-$run.json"
+    done
+    kill $smi
+    python3 -m reports.campaign_speed --out "$out" cold="$out/campaign-cold.json" warm="$out/campaign-warm.json" \
+      first-failure-cold="$out/first-failure-cold.json" first-failure-warm="$out/first-failure-warm.json" \
+      first-failure-replay="$out/first-failure-replay.json" > /dev/null
+    grep -h "worker(s) on\|done in\|summary:" "$out"/campaign-*.log "$out"/first-failure-*.log >> "$out/summary.txt"
     ;;
   *) echo "unknown part $part (suite, bench, verdicts-tests or verdicts-rest)"; exit 2 ;;
 esac

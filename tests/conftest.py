@@ -32,7 +32,7 @@ import torch
 from hypothesis import event, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-from fuzz import backend_names, case_file
+from fuzz import backend_names, case_file, saved_failures
 from harness import isolation, registry
 
 IMPLEMENTATION = pytest.StashKey()
@@ -50,14 +50,13 @@ def _patterns(path) -> list[str]:
     return [line.split("#", 1)[0].strip() for line in lines if line.split("#", 1)[0].strip()]
 
 
-DATABASE_ROOT = pathlib.Path(__file__).resolve().parent.parent / ".hypothesis" / "examples"
 CRASH_FOLDER = pathlib.Path(__file__).resolve().parent.parent / "fuzz" / "failures"  # --failures-dir
 MAX_WORKER_RESTARTS = 500
 
 
 def example_database(impl) -> pathlib.Path:
-    """Where hypothesis keeps the failing examples of one implementation."""
-    return DATABASE_ROOT / backend_names.slug(backend_names.canonical(impl.name))
+    """Where hypothesis keeps the failing examples of one implementation (the campaign's too)."""
+    return saved_failures.default_location(impl.name)
 
 
 def pytest_configure(config):

@@ -140,17 +140,18 @@ def segfaults_on_long_prefill(q, k_cache, v_cache, block_tables, seq_lens, query
 SEGFAULTS = SimpleNamespace(write_kv=None, paged_prefill=segfaults_on_long_prefill, paged_decode=None)
 
 
-def hangs_on_three_heads(q, *args, **kwargs):
-    """The oracle, except that three query heads never return."""
-    if q.shape[1] == 3:
+def hangs_on_threes(q, k_cache, v_cache, block_tables, seq_lens, *args, **kwargs):
+    """The oracle, except that three query heads, or three sequences, never return (the heads are a
+    compile-time key the campaign fixes for a chunk of draws; the sequences vary within one)."""
+    if q.shape[1] == 3 or seq_lens.shape[0] == 3:
         import time
 
         while True:
             time.sleep(1)
-    return reference.paged_prefill(q, *args, **kwargs)
+    return reference.paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, *args, **kwargs)
 
 
-HANGS = SimpleNamespace(write_kv=None, paged_prefill=hangs_on_three_heads, paged_decode=None)
+HANGS = SimpleNamespace(write_kv=None, paged_prefill=hangs_on_threes, paged_decode=None)
 
 
 def _far_read_kernel():
@@ -183,3 +184,41 @@ def illegal_address_on_big_pages(q, k_cache, *args, **kwargs):
 ILLEGAL_ADDRESS = SimpleNamespace(
     write_kv=None, paged_prefill=illegal_address_on_big_pages, paged_decode=None
 )
+
+
+def _shard_offset_dropped(op):
+    """`op` of the Triton kernels, called with a local-strided layout's tensor-parallel offset dropped."""
+
+    def call(*args, layout=None, **kwargs):
+        if isinstance(layout, reference.LocalStridedLayout) and layout.head_offset:
+            layout = reference.LocalStridedLayout(
+                layout.block_size,
+                layout.local_blocks,
+                layout.vert_stride,
+                layout.homo_head,
+                layout.num_heads_total,
+                0,
+            )
+        return op(*args, layout=layout, **kwargs)
+
+    return call
+
+
+def _triton_shard_offset_dropped():
+    import kernels
+    from harness import registry
+
+    return SimpleNamespace(
+        write_kv=kernels.write_kv,
+        paged_prefill=_shard_offset_dropped(kernels.paged_prefill),
+        paged_decode=_shard_offset_dropped(kernels.paged_decode),
+        capabilities=registry.load("triton").capabilities.as_dict(),
+    )
+
+
+def __getattr__(name: str):
+    # Built on first use: importing this module must not import triton (the CPU tests set the
+    # interpreter first).
+    if name == "TRITON_SHARD_OFFSET_DROPPED":
+        return _triton_shard_offset_dropped()
+    raise AttributeError(name)
