@@ -15,7 +15,8 @@ from fuzz.merge import merge
 from tests.fuzz.conftest import REPO, SAFETY_CAP_S
 from tests.fuzz.implementations import named
 
-HEAD_ONE_ZEROED = named("HEAD_ONE_ZEROED")
+# Off on every case with a non-empty row, whatever its compile-time key: each shard meets it early.
+ONE_PERCENT_OFF = named("ONE_PERCENT_OFF")
 SHARDS = 4
 
 
@@ -32,7 +33,7 @@ def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
 
 def campaign(tmp_path, label: str, *extra) -> list:
     return [
-        "--backend", HEAD_ONE_ZEROED, "--target", "prefill", "--workers", "1", "--max-failures", "1",
+        "--backend", ONE_PERCENT_OFF, "--target", "prefill", "--workers", "1", "--max-failures", "1",
         "--max-shrinks", "40", "--failures-dir", tmp_path / f"failures-{label}",
         "--summary", tmp_path / f"{label}.json", *extra,
     ]  # fmt: skip
