@@ -61,6 +61,16 @@ class Entry:
     def run_id(self):
         return self.found_by.get("run_id")
 
+    @property
+    def finder(self) -> str:
+        """Who saved it, in words."""
+        shard = self.found_by.get("shard")
+        return (
+            f"shard {shard} of the campaign with seed {self.found_by.get('seed')}"
+            if shard
+            else "an earlier campaign"
+        )
+
     def owner(self, workers: int) -> int:
         """The worker of a campaign that replays it (each entry once per campaign)."""
         return self.digest % max(1, workers)

@@ -203,8 +203,8 @@ class Worker:
             if verdict is None:
                 return
             if verdict.failed:
-                verdict.message = f"{verdict.message} (replayed first: saved by {entry.found_by})"
-                self.save(target, case, verdict)
+                verdict.message = f"{verdict.message} (replayed first: saved by {entry.finder})"
+                self.save(target, case, verdict, remember=False)
             elif verdict.status == "passed":
                 saved_failures.forget(self.examples, self.name, target.name, entry)
 
@@ -281,8 +281,9 @@ class Worker:
                 found["first"].unlink(missing_ok=True)
         return self.drawn[target.name] - before
 
-    def save(self, target, case, verdict, report: bool = True):
-        """Writes the case file (and, with `report`, tells the parent); returns its path."""
+    def save(self, target, case, verdict, report: bool = True, remember: bool = True):
+        """Writes the case file (and, with `report`, tells the parent and, with `remember`, puts the
+        case in the example database); returns its path."""
         words = target.describe(case)
         path = case_file.save(
             self.cfg["failures_dir"],
@@ -296,7 +297,7 @@ class Worker:
         )
         if not report:
             return path
-        if "replayed first" not in verdict.message:
+        if remember:
             saved_failures.remember(self.examples, self.name, target.name, case.to_dict(), self.found_by())
         self.failures[target.name] += 1
         failure = dict(

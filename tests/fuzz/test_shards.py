@@ -97,7 +97,7 @@ def test_a_failure_one_shard_saved_is_replayed_first_by_another(tmp_path):
     assert code == 1, err[-2000:]
     second = json.loads((tmp_path / "second.json").read_text())
     replayed = [f for f in second["failures"] if "replayed first" in f["message"]]
-    assert len(replayed) == 1 and "saved by" in replayed[0]["message"], second["failures"]
+    assert len(replayed) == 1 and "saved by shard 1/2" in replayed[0]["message"], second["failures"]
     assert case_file.load(replayed[0]["file"])["case"] == case_file.load(found["file"])["case"]
     merged, _ = merge([tmp_path / "first.json", tmp_path / "second.json"])
     [once] = [f for f in merged["failures"] if f["file"] == found["file"]]
