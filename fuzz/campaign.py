@@ -147,7 +147,6 @@ def run(args) -> int:
         max_failures=args.max_failures,
         failures_dir=str(args.failures_dir.resolve()),
         ledger=str(args.ledger.resolve()),
-        threads=0,  # the workers' environment says (OMP_NUM_THREADS)
         case_timeout=args.case_timeout,
         shard=args.shard,
         run_id=uuid.uuid4().hex,
@@ -164,7 +163,7 @@ def run(args) -> int:
     _say(
         f"fuzz: {n} worker(s) on {where}, {' and '.join(bounds)}, seed {args.seed}{shard}; "
         f"compiled kernels in {caches.get('TRITON_CACHE_DIR', os.environ.get('TRITON_CACHE_DIR'))}; "
-        f"saved failures replayed from {cfg['example_db']}; {summary.WORST_RATIO}"
+        f"saved failures replayed from {cfg['example_db'] or 'no example database'}; {summary.WORST_RATIO}"
     )
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -257,7 +256,6 @@ def finish(args, name: str, tally: summary.Tally, elapsed: float, workers: int) 
     print(summary.status_table(tally) or "  no case ran")
     split = summary.time_split(tally)
     if split:
-        print("where the workers' time went (share of worker-seconds; ms per judged case):")
         print(summary.time_table(split))
     data = {
         "backend": name,

@@ -134,7 +134,6 @@ def main_merge(paths, out=None) -> int:
     )
     print(summary.status_table(tally) or "  no case ran")
     if merged["time_split"]:
-        print("where the workers' time went (share of worker-seconds; ms per judged case):")
         print(summary.time_table(merged["time_split"]))
     text = json.dumps(jsonable(merged), indent=1)
     if out is not None:

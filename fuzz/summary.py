@@ -56,7 +56,7 @@ class Tally:
         elif kind == "seconds":
             target, seconds = rest
             for phase, value in seconds.items():
-                self.seconds[target][phase] = self.seconds[target].get(phase, 0.0) + value
+                self.seconds[target][phase] += value
         elif kind == "shrinking":
             self.shrinking += 1
         elif kind == "failure":
@@ -170,8 +170,8 @@ def time_split(tally: Tally) -> dict:
 
 
 def time_table(split: dict) -> str:
-    """The time split as aligned text: one line per target, the share of each phase."""
-    lines = []
+    """The time split as aligned text: a heading, then one line per target, the share of each phase."""
+    lines = ["where the workers' time went (share of worker-seconds; ms per judged case):"]
     for target, row in split.items():
         cells = "  ".join(
             f"{p} {100 * row['share'].get(p, 0.0):.0f}%"

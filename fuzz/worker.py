@@ -341,9 +341,7 @@ def sample(strategy, n: int, seed_value: int) -> list:
 
 
 def main(cfg: dict, queue) -> None:
-    """Process entry (after the environment is set)."""
-    if cfg["threads"]:
-        torch.set_num_threads(cfg["threads"])
+    """Process entry (after the environment, OMP_NUM_THREADS included, is set)."""
     worker = Worker(cfg, queue)
     try:
         worker.run()

@@ -50,7 +50,6 @@ def run_worker(tmp_path):
             max_failures=1,
             failures_dir=str(tmp_path / "failures"),
             ledger=str(tmp_path / "no-ledger.json"),
-            threads=0,
             device="cpu",  # CPU-sized cases on any machine
         )
         log = WorkerLog()
