@@ -44,6 +44,14 @@ def pytest_addoption(parser):
         "flex), package.module:attribute or path/to/file.py:attribute (default: %(default)s)",
     )
     group.addoption(
+        "--layout-family",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="a layout family the family tests sweep, package.module:attribute or path/to/file.py:attribute "
+        "(backends/layout_families.py); repeatable (default: examples/sliding_window_sinks.py:family)",
+    )
+    group.addoption(
         "--xfails-file",
         default=None,
         help="a file of test-id patterns (fnmatch, one per line, # comments) expected to fail; "

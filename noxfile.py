@@ -1,7 +1,7 @@
 """Entry points of the suite (docs/contract.md §7). Dependencies come from pyproject.toml's groups.
 
 The project itself is never installed: sessions run from the repository root, where `reference`,
-`kernels`, `engine`, `harness`, `tests`, `fuzz` and `reports` are importable.
+`kernels`, `backends`, `engine`, `harness`, `tests`, `fuzz` and `reports` are importable.
 
 All sessions share one virtual environment, `.nox/suite`, made by `suite_python` rather than by nox
 (which would build, and refill with torch, one environment per session): it is created on the
@@ -27,8 +27,10 @@ PINS_FILE = SUITE_ENV / "pins.sha256"
 ENV = {"PYTHONPATH": "."} | ({} if shutil.which("nvidia-smi") else {"TRITON_INTERPRET": "1"})
 # The oracle imports nothing but torch, math and the standard library.
 FORBIDDEN_IN_REFERENCE = (
-    r"^\s*(import|from)\s+(triton|kernels|engine|harness|numpy|scipy|fuzz|reports|tests)\b"
+    r"^\s*(import|from)\s+(triton|kernels|backends|engine|harness|numpy|scipy|fuzz|reports|tests)\b"
 )
+# The engine is a product, not a test: it never imports the test harness, the campaign or the reports.
+FORBIDDEN_IN_ENGINE = r"^\s*(import|from)\s+(harness|fuzz|reports|tests)\b"
 
 
 def suite_python(session: nox.Session) -> str:
@@ -64,6 +66,7 @@ def lint(session: nox.Session) -> None:
     run(session, "-m", "ruff", "check", ".")
     run(session, "-m", "ruff", "format", "--check", ".")
     _forbid(session, "reference", FORBIDDEN_IN_REFERENCE)
+    _forbid(session, "engine", FORBIDDEN_IN_ENGINE)
     _forbid(session, "kernels", r"make_block_ptr|tl\.advance")  # deprecated block pointers (STYLE 8)
 
 

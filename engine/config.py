@@ -26,7 +26,7 @@ class EngineConfig:
         enable_prefix_caching (bool):
             Automatic prefix caching (contract §6). Default: `True`.
         backend (str | None):
-            The attention implementation, named as everywhere in the suite (harness/registry.py):
+            The attention implementation, named as everywhere in the suite (backends/registry.py):
             `"reference"` (the float64 oracle), `"triton"` (the `kernels` module), or
             `package.module:attribute` / `path/to/file.py:attribute`; it must provide all three
             operators. Default: `None`, `"triton"` when a GPU is present, else `"reference"` (the CPU

@@ -101,6 +101,13 @@ class ModelArgs:
             return None
         return reference.LocalStridedLayout(self.sparse_block_size, self.local_blocks, self.vert_stride)
 
+    def layouts(self) -> list:
+        """Every layer's layout, the sparse layers sharing one object: kernels keep a layout's tile
+        lists with the object, and the runner plans once per distinct layout of a step."""
+        layouts = [self.layout(i) for i in range(self.n_layers)]
+        shared = next((layout for layout in layouts if layout is not None), None)
+        return [None if layout is None else shared for layout in layouts]
+
 
 def rotary(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
     """Rotate-half RoPE. x: [num_tokens, num_heads, head_dim]; positions: int64 [num_tokens]."""
@@ -146,7 +153,7 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.n_layers))
         self.norm = nn.LayerNorm(args.dim, eps=args.norm_eps)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.layouts = [args.layout(i) for i in range(args.n_layers)]
+        self.layouts = args.layouts()
 
     @torch.no_grad()
     def init_weights(self, seed: int, device: torch.device, dtype: torch.dtype) -> "Decoder":

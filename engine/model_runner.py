@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from backends import registry
 from engine.config import EngineConfig
 from engine.model import Decoder, ModelArgs
 from engine.sequence import Sequence
-from harness import registry
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +90,7 @@ def backend_refusal(impl, args: ModelArgs, dtype: str, page_size: int) -> str | 
 
 
 def load_backend(name: str, args: ModelArgs, dtype: str, page_size: int):
-    """The implementation called `name` (harness/registry.py); ValueError, before any step runs, unless
+    """The implementation called `name` (backends/registry.py); ValueError, before any step runs, unless
     it provides and declares everything the engine will ask of it (`backend_refusal`)."""
     impl = registry.load(name)
     why = backend_refusal(impl, args, dtype, page_size)

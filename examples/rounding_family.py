@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import torch
 
 import reference
-from harness.comparison import decode_via_prefill, sequences
+from backends.comparison import decode_via_prefill, sequences
 from reference.paged_prefill import token_mask
 
 LOG2E = math.log2(math.e)

@@ -79,8 +79,9 @@ def _shard(text: str) -> tuple[int, int]:
 
 def parser() -> argparse.ArgumentParser:
     """The command line of `python -m fuzz`; its epilog is this module's docstring."""
+    from backends import registry
     from fuzz.targets import TARGETS
-    from harness import isolation, registry
+    from harness import isolation
     from harness.cases import DTYPES
 
     p = argparse.ArgumentParser(
@@ -121,6 +122,14 @@ def parser() -> argparse.ArgumentParser:
         choices=tuple(DTYPES),
         help="repeatable; draw only these of the dtypes the implementation declares (default: all it "
         "declares). Each chunk of draws fixes one dtype, so shrinking never changes a failure's dtype",
+    )
+    what.add_argument(
+        "--layout-family",
+        action="append",
+        metavar="NAME",
+        help="repeatable; prefill and decode draw their layouts from these families only: "
+        "package.module:attribute or path/to/file.py:attribute, a callable num_heads -> hypothesis strategy "
+        "of layouts (backends/layout_families.py; e.g. examples/sliding_window_sinks.py:family)",
     )
     what.add_argument("--seed", type=int, default=0, help="base seed of the draws (default %(default)s)")
     what.add_argument(
@@ -246,8 +255,8 @@ def main(argv=None) -> int:
         from fuzz.case_file import main_replay
 
         return main_replay(args.replay, args.backend, args.case_timeout)
+    from backends.registry import DEFAULT_BACKEND
     from fuzz.campaign import run
-    from harness.registry import DEFAULT_BACKEND
 
     args.backend = args.backend or DEFAULT_BACKEND
     return run(args)

@@ -1,6 +1,6 @@
 """Implementation names as the campaign records them: the same string from any working directory.
 
-A registry name (harness/registry.py) of the form `path/to/file.py:attr` is relative to the working
+A registry name (backends/registry.py) of the form `path/to/file.py:attr` is relative to the working
 directory it was typed in. The campaign records it in a canonical form instead: relative to the
 repository root when the file lies inside the repository (so a case file stays valid in another
 checkout), absolute otherwise. Built-in names and `package.module:attr` are kept as they are.
@@ -11,8 +11,8 @@ import pathlib
 
 def _repo() -> pathlib.Path:
     # Imported late: spawned workers import this module (via fuzz.campaign) before their environment
-    # is set, and harness.registry imports torch.
-    from harness.registry import REPO
+    # is set, and backends.registry imports torch.
+    from backends.registry import REPO
 
     return REPO
 

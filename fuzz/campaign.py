@@ -64,6 +64,14 @@ def gpu_memory_bytes(index: int) -> int:
     return torch.cuda.get_device_properties(index).total_memory
 
 
+def family_name(name: str) -> str:
+    """A layout family's name with its file made absolute (the workers and the summary read it)."""
+    where, _, attr = name.rpartition(":")
+    if where.endswith(".py"):
+        return f"{pathlib.Path(where).expanduser().resolve()}:{attr}"
+    return name
+
+
 def plan_workers(requested: int | None, cores: int | None = None, gpus=None) -> tuple[int, list[dict]]:
     """(worker count, per-worker environment).
 
@@ -110,8 +118,8 @@ def run(args) -> int:
     """Runs the campaign described by the parsed CLI `args`; returns the exit code."""
     import torch
 
+    from backends import layout_families, registry
     from fuzz import targets
-    from harness import registry
 
     name = backend_names.canonical(args.backend)
     try:
@@ -119,9 +127,15 @@ def run(args) -> int:
     except Exception as exc:  # noqa: BLE001  (whatever the user's module raises on import)
         _say(f"fuzz: cannot load implementation {args.backend!r}: {type(exc).__name__}: {exc}")
         return NOTHING_TO_FUZZ
-    active, unavailable = targets.plan(impl, args.target, args.dtype or ())
+    try:
+        families = [layout_families.load(family_name(n)) for n in args.layout_family or ()]
+    except Exception as exc:  # noqa: BLE001  (whatever the family's module raises on import)
+        _say(f"fuzz: cannot load layout family: {type(exc).__name__}: {exc}")
+        return NOTHING_TO_FUZZ
+    active, unavailable = targets.plan(impl, args.target, args.dtype or (), families)
     draws = ", ".join(f"{t} ({'/'.join(dtypes)})" for t, (_, dtypes) in active.items()) or "nothing"
     about = (impl.description or "no description").rstrip(".")
+    draws += f"; layouts of {', '.join(f.name for f in families)}" if families else ""
     _say(f"fuzz: backend {name}, {about}; drawing {draws}")
     for target, reason in unavailable.items():
         _say(f"fuzz: target {target} unavailable: {reason}")
@@ -141,6 +155,7 @@ def run(args) -> int:
         backend=name,
         targets=list(active),
         dtypes=args.dtype or (),
+        layout_families=[f.name for f in families],
         seed=args.seed,
         end_time=None if budget is None else start + budget,
         max_shrinks=args.max_shrinks,
@@ -219,7 +234,7 @@ def _listen(tally, queue, procs, start: float, budget: float | None, planned: in
 def stale_ledger_entries(ledger: Ledger, notes: list[str], args) -> list:
     """Replays the ledger's wrong-answer entries whose implementation loads; (entry, why) of each that
     passes now. Entries of implementations that cannot be loaded here are noted, not replayed."""
-    from harness import registry
+    from backends import registry
 
     available = set()
     for backend in {e.backend for e in ledger.entries if e.kind == "wrong-answer"}:
@@ -261,6 +276,7 @@ def finish(args, name: str, tally: summary.Tally, elapsed: float, workers: int) 
         "backend": name,
         "targets": args.target,
         "dtypes": list(args.dtype or ()),
+        "layout_families": [family_name(n) for n in args.layout_family or ()],
         "workers": workers,
         "seed": args.seed,
         "shard": None if args.shard is None else list(args.shard),

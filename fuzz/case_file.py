@@ -99,8 +99,9 @@ def replay(path, backend: str | None = None, case_timeout: float | None = None) 
     """
     import torch
 
+    from backends import registry
     from fuzz import targets
-    from harness import isolation, registry
+    from harness import isolation
     from harness.judge import Verdict
 
     data = load(path)

@@ -12,7 +12,7 @@ Each entry names a known failure and why it is tolerated (STYLE 16):
 - `kind` "crash": matching cases are never launched (a crash may take the process down).
 - `match`: dotted case fields that must all be equal (`layout.kind`, `dtype`, `page_size`, ...). Left
   out, an entry matches exactly the case in its `case` file.
-- `backend`: a registry name (harness/registry.py). Paths in an entry, the `case` file and a
+- `backend`: a registry name (backends/registry.py). Paths in an entry, the `case` file and a
   `file.py:attr` backend alike, are relative to the ledger file's folder, so a ledger may live anywhere.
 Every entry needs an id, a reason and an issue number.
 """

@@ -17,7 +17,7 @@ import sys
 from fuzz import case_file, summary
 from harness.records import jsonable
 
-SAME = ("backend", "seed", "targets", "dtypes")
+SAME = ("backend", "seed", "targets", "dtypes", "layout_families")
 
 
 def _case_identity(failure: dict) -> str:

@@ -19,6 +19,7 @@ Imported only after TRITON_INTERPRET is set (by fuzz/worker.py or the replay pat
 
 import math
 
+from backends.registry import LAYOUT_KINDS
 from fuzz.engine_target import EngineTarget
 from harness import judge, timing
 from harness.cases import AttentionCase, write_kv_inputs
@@ -30,9 +31,11 @@ TARGETS = ("prefill", "decode", "write_kv", "engine")
 class AttentionTarget:
     """paged_prefill (decode=False) or paged_decode (decode=True) against the float64 oracle."""
 
-    def __init__(self, name: str, decode: bool):
-        self.name, self.decode = name, decode
+    def __init__(self, name: str, decode: bool, families=()):
+        self.name, self.decode, self.families = name, decode, tuple(families)
         self.op = "paged_decode" if decode else "paged_prefill"
+        # With outside families (--layout-family), the layouts come from them alone.
+        self.layout_kinds = () if self.families else LAYOUT_KINDS
 
     def refusal(self, impl) -> str | None:
         """Why this target cannot run on `impl` at all, or None."""
@@ -44,7 +47,13 @@ class AttentionTarget:
 
     def keys(self, impl, device: str, dtype: str):
         """The compile-time parts a chunk of draws fixes (harness.cases.AttentionShape)."""
-        return fuzz_attention_shapes(caps=impl.capabilities, device=device, dtypes=(dtype,))
+        return fuzz_attention_shapes(
+            caps=impl.capabilities,
+            device=device,
+            dtypes=(dtype,),
+            families=self.families,
+            layout_kinds=self.layout_kinds,
+        )
 
     def strategy(self, impl, device: str, dtype: str, key=None, shard=None):
         """Cases of `dtype` with the compile-time part `key` (None: drawn too); `shard` (k, n)
@@ -56,6 +65,7 @@ class AttentionTarget:
             dtypes=(dtype,),
             shape=key,
             seeds=case_seeds(shard),
+            families=self.families,
         )
 
     def case_from_dict(self, d: dict) -> AttentionCase:
@@ -75,7 +85,8 @@ class WriteKVTarget(AttentionTarget):
     """write_kv against the oracle's write: both caches must match bit for bit afterwards."""
 
     def __init__(self):
-        self.name, self.op, self.decode = "write_kv", "write_kv", False
+        super().__init__("write_kv", decode=False)
+        self.op = "write_kv"
 
     def describe(self, case) -> str:
         return (
@@ -88,19 +99,20 @@ class WriteKVTarget(AttentionTarget):
         return judge.judge_write_kv(impl, write_kv_inputs(case, device), case)
 
 
-def all_targets() -> dict:
-    """Target name -> target object."""
+def all_targets(families=()) -> dict:
+    """Target name -> target object; `families` (backends.layout_families.Family) give prefill and
+    decode their layouts."""
     return {
-        "prefill": AttentionTarget("prefill", decode=False),
-        "decode": AttentionTarget("decode", decode=True),
+        "prefill": AttentionTarget("prefill", decode=False, families=families),
+        "decode": AttentionTarget("decode", decode=True, families=families),
         "write_kv": WriteKVTarget(),
         "engine": EngineTarget(),
     }
 
 
-def plan(impl, names, requested_dtypes) -> tuple[dict, dict]:
+def plan(impl, names, requested_dtypes, families=()) -> tuple[dict, dict]:
     """({name: (target, dtypes to draw)}, {name: why it cannot run}) for the targets `names`."""
-    targets, active, unavailable = all_targets(), {}, {}
+    targets, active, unavailable = all_targets(families), {}, {}
     for name in names:
         target = targets[name]
         reason = target.refusal(impl)

@@ -37,11 +37,12 @@ from collections import defaultdict
 import torch
 from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings
 
+from backends import layout_families, registry
 from fuzz import backend_names, case_file, saved_failures, targets
 from fuzz.ledger import Ledger
-from harness import registry
 from harness.isolation import DEFAULT_CASE_TIMEOUT_S, InProcess, Isolated
 from harness.judge import Verdict
+from harness.strategies import sample
 
 # Draws per @given run (a chunk): one compile-time key each, before rotating to the next target. On a
 # GPU a key's first case compiles (about 2 s on the H200) and the others reuse it (tens of ms each).
@@ -112,7 +113,10 @@ class Worker:
                 self.send("unavailable", name, f"cannot load {self.name}: {type(exc).__name__}: {exc}")
             self.send("done")
             return
-        plan, unavailable = targets.plan(self.impl, self.cfg["targets"], self.cfg.get("dtypes") or ())
+        families = [layout_families.load(n) for n in self.cfg.get("layout_families", ())]
+        plan, unavailable = targets.plan(
+            self.impl, self.cfg["targets"], self.cfg.get("dtypes") or (), families
+        )
         for name, reason in unavailable.items():
             self.send("unavailable", name, reason)
         active = [name for name in plan if self.quota is None or self.quota > 0]
@@ -316,28 +320,6 @@ class Worker:
     def found_by(self) -> dict:
         shard = None if self.shard is None else f"{self.shard[0]}/{self.shard[1]}"
         return {"run_id": self.cfg.get("run_id"), "shard": shard, "seed": self.cfg["seed"]}
-
-
-def sample(strategy, n: int, seed_value: int) -> list:
-    """Up to n values of `strategy`, drawn by hypothesis with `seed_value` (generation only: fewer when
-    the strategy holds fewer distinct values)."""
-    found = []
-
-    @seed(seed_value)
-    @settings(
-        max_examples=n,
-        deadline=None,
-        database=None,
-        phases=[Phase.generate],
-        suppress_health_check=list(HealthCheck),
-        verbosity=Verbosity.quiet,
-    )
-    @given(value=strategy)
-    def collect(value):
-        found.append(value)
-
-    collect()
-    return found
 
 
 def main(cfg: dict, queue) -> None:

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from reference.layouts import BlockMaskLayout, LocalStridedLayout, causal_block_mask, check_int
+from reference.layouts import causal_block_mask, check_int, layout_block_mask
 
 # vLLM's v0 key cache splits head_dim into chunks of 16 bytes, so that one chunk is one vector load.
 VLLM_V0_CHUNK_BYTES = 16
@@ -237,7 +237,7 @@ def block_layout_to_csr(layout, num_heads: int, num_blocks: int, *, device="cpu"
     """A block layout's visible (query block, key block) pairs as one CSR matrix per head.
 
     Args:
-        layout: LocalStridedLayout, BlockMaskLayout, or None (dense causal).
+        layout: a layout (the protocol of reference/layouts.py), or None (dense causal).
         num_heads, num_blocks: the block grid is [num_heads, num_blocks, num_blocks].
         device: where the result lives. Default: the CPU.
     Returns:
@@ -248,12 +248,8 @@ def block_layout_to_csr(layout, num_heads: int, num_blocks: int, *, device="cpu"
     check_int("num_blocks", num_blocks, 0)
     if layout is None:
         mask = causal_block_mask(num_blocks).expand(num_heads, -1, -1)
-    elif isinstance(layout, (LocalStridedLayout, BlockMaskLayout)):
-        mask = layout.block_mask(num_heads, num_blocks)
     else:
-        raise TypeError(
-            f"layout must be None, LocalStridedLayout or BlockMaskLayout, got {type(layout).__name__}"
-        )
+        mask = layout_block_mask(layout, num_heads, num_blocks).expand(num_heads, -1, -1)
     mask = mask.to(device)
     crow = torch.zeros(num_heads, num_blocks + 1, dtype=torch.int32, device=device)
     crow[:, 1:] = mask.sum(-1).cumsum(-1)

@@ -4,16 +4,18 @@ A case is JSON-ready (a fuzz failure is saved and replayed as one), and its tens
 seed alone (`build_inputs`, `write_kv_case_inputs`), never element by element from hypothesis.
 """
 
+import base64
 import dataclasses
 import math
+import zlib
 from dataclasses import dataclass
 
 import torch
 
 import reference
+from backends.registry import ALL_DTYPES
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-LAYOUT_KINDS = ("dense", "local_strided", "block_mask")
+DTYPES = {name: getattr(torch, name) for name in ALL_DTYPES}
 # Out-of-range ids placed in block-table padding: a kernel that reads one faults or goes wrong.
 PADDING_IDS = (-1, 2**31 - 1)
 # Share of write_kv's tokens whose slot is -1 ("do not write") in the attention-derived writes.
@@ -22,7 +24,9 @@ PADDING_SLOT_SHARE = 0.125
 
 @dataclass(frozen=True)
 class LayoutSpec:
-    """A layout as plain values. kind: "dense" (layout=None), "local_strided" or "block_mask"."""
+    """A layout as plain values. kind: "dense" (layout=None), "local_strided", "block_mask", or
+    "family": a layout drawn from an outside family (backends/layout_families.py), kept as its block
+    mask (`mask`, `encode_mask`) so that the case replays without the family's code."""
 
     kind: str = "dense"
     block_size: int = 16
@@ -34,6 +38,29 @@ class LayoutSpec:
     density: float = 1.0  # block_mask: probability that a causal block is kept
     mask_seed: int = 0
     shared_heads: bool = False  # block_mask: one [NB, NB] mask for every head
+    family: str | None = None  # family: the family's name
+    mask: str = ""  # family: the drawn layout's block mask (`encode_mask`)
+    words: str = ""  # family: the drawn layout's repr
+
+    @classmethod
+    def of_family(cls, family: str, layout, num_heads: int, max_len: int) -> "LayoutSpec":
+        """The spec of `layout` (drawn from `family`) for `num_heads` heads and positions < max_len."""
+        num_blocks = max(1, math.ceil(max_len / layout.block_size))
+        mask = reference.layouts.layout_block_mask(layout, num_heads, num_blocks)
+        words = repr(layout)
+        return cls(
+            kind="family",
+            block_size=layout.block_size,
+            family=family,
+            mask=encode_mask(mask),
+            words=words if len(words) <= MAX_WORDS else words[: MAX_WORDS - 3] + "...",
+        )
+
+    @property
+    def capability(self) -> str:
+        """The layout kind an implementation must declare for it (contract §9): a family's layouts are
+        general block masks."""
+        return "block_mask" if self.kind == "family" else self.kind
 
     def build(self, num_heads: int, max_len: int):
         """The layout object for `num_heads` heads and sequences up to `max_len` tokens."""
@@ -54,6 +81,8 @@ class LayoutSpec:
                 1 if self.shared_heads else num_heads, num_blocks, self.density, self.mask_seed
             )
             return reference.BlockMaskLayout(mask[0] if self.shared_heads else mask, self.block_size)
+        if self.kind == "family":
+            return reference.BlockMaskLayout(decode_mask(self.mask), self.block_size)
         raise ValueError(f"unknown layout kind {self.kind!r}")
 
     def describe(self) -> str:
@@ -70,13 +99,38 @@ class LayoutSpec:
                 f"local_strided S={self.block_size} local={self.local_blocks} stride={self.vert_stride} "
                 f"({heads}{shard})"
             )
+        if self.kind == "family":
+            return f"{self.words} from family {self.family}"
         return f"block_mask S={self.block_size} density={self.density:g}"
+
+
+# A family layout's repr is cut to this many characters in its spec.
+MAX_WORDS = 200
+
+
+def encode_mask(mask: torch.Tensor) -> str:
+    """A bool mask [heads, NB, NB] as text: "heads,NB:" then its bits, packed, deflated, base64."""
+    heads, nb, _ = mask.shape
+    bits = torch.nn.functional.pad(mask.reshape(-1).to(torch.uint8), (0, (-mask.numel()) % 8))
+    packed = (bits.view(-1, 8) << torch.arange(8, dtype=torch.uint8)).sum(1, dtype=torch.uint8)
+    return f"{heads},{nb}:" + base64.b64encode(zlib.compress(packed.numpy().tobytes(), 9)).decode()
+
+
+def decode_mask(text: str) -> torch.Tensor:
+    """The mask `encode_mask` wrote: bool [heads, NB, NB]."""
+    shape, _, data = text.partition(":")
+    heads, nb = (int(v) for v in shape.split(","))
+    if not heads * nb:
+        return torch.zeros(heads, nb, nb, dtype=torch.bool)
+    packed = torch.frombuffer(bytearray(zlib.decompress(base64.b64decode(data))), dtype=torch.uint8)
+    bits = (packed.view(-1, 1) >> torch.arange(8, dtype=torch.uint8)) & 1
+    return bits.view(-1)[: heads * nb * nb].view(heads, nb, nb).bool()
 
 
 @dataclass(frozen=True)
 class AttentionShape:
     """The part of an attention case that kernels typically compile for: dtype, heads, head dim,
-    page size, layout family and sparse block size (Triton constexprs, the divisibility of strides).
+    page size, layout kind and sparse block size (Triton constexprs, the divisibility of strides).
 
     The campaign fixes one shape for a chunk of draws and varies everything else (fuzz/worker.py),
     so a chunk compiles once.
@@ -88,10 +142,12 @@ class AttentionShape:
     head_dim: int
     page_size: int
     layout_kind: str
-    block_size: int
+    block_size: int  # 0 for a family's layouts: the family draws its block size
+    family: str | None = None  # layout_kind "family": the family's name
 
     @classmethod
     def of(cls, case: "AttentionCase") -> "AttentionShape":
+        family = case.layout.kind == "family"
         return cls(
             case.dtype,
             case.num_heads,
@@ -99,7 +155,8 @@ class AttentionShape:
             case.head_dim,
             case.page_size,
             case.layout.kind,
-            case.layout.block_size,
+            0 if family else case.layout.block_size,
+            case.layout.family if family else None,
         )
 
 

@@ -59,8 +59,8 @@ def _serve(conn, backend: str, device: str, env: dict) -> None:
     os.environ.update(env)
     import torch
 
+    from backends import registry
     from fuzz import backend_names, targets
-    from harness import registry
 
     if os.environ.get("TRITON_INTERPRET") == "1":  # one thread per worker: the CPU has few cores
         torch.set_num_threads(1)
@@ -172,8 +172,8 @@ class InProcess:
     """
 
     def __init__(self, backend: str, device: str, **_):
+        from backends import registry
         from fuzz import backend_names, targets
-        from harness import registry
 
         self.impl = registry.load(backend_names.loadable(backend))
         self.device, self.targets = device, targets

@@ -30,7 +30,7 @@ from types import SimpleNamespace
 
 import torch
 
-from harness.comparison import decode_via_prefill, sequences
+from backends.comparison import decode_via_prefill, sequences
 from reference.layouts import LocalStridedLayout
 from reference.paged_prefill import token_mask
 

@@ -7,11 +7,13 @@ so that a case outside what it declares is never drawn (contract §9).
 
 import math
 
+from hypothesis import HealthCheck, Phase, Verbosity, given, seed, settings
 from hypothesis import strategies as st
 
+from backends import layout_families
+from backends.registry import LAYOUT_KINDS, Capabilities
 from harness.cases import (
     DTYPES,
-    LAYOUT_KINDS,
     AttentionCase,
     AttentionShape,
     EngineCase,
@@ -20,7 +22,6 @@ from harness.cases import (
     LayoutSpec,
     WriteKVCase,
 )
-from harness.registry import Capabilities
 
 ALL = Capabilities()
 PAGE_SIZES = (1, 2, 5, 16, 64, 128)
@@ -36,6 +37,28 @@ DENSITIES = (0.0, 0.15, 0.5, 0.85, 1.0)
 SCALE_LIMIT = 32.0
 SPECIAL_SCALES = (0.0, 1.0 / 128, 1e-30, -1e-30, -1.0, SCALE_LIMIT, -SCALE_LIMIT)
 SEED_LIMIT = 2**31 - 1
+
+
+def sample(strategy, n: int, seed_value: int) -> list:
+    """Up to n values of `strategy`, drawn by hypothesis with `seed_value` (generation only: fewer when
+    the strategy holds fewer distinct values)."""
+    found = []
+
+    @seed(seed_value)
+    @settings(
+        max_examples=n,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+        verbosity=Verbosity.quiet,
+    )
+    @given(value=strategy)
+    def collect(value):
+        found.append(value)
+
+    collect()
+    return found
 
 
 def _allowed(values, declared):
@@ -125,27 +148,55 @@ def case_seeds(shard: tuple[int, int] | None = None) -> st.SearchStrategy[int]:
     return st.integers(0, (SEED_LIMIT - (k - 1)) // n).map(lambda s: s * n + k - 1)
 
 
+def _family_named(name: str, families):
+    """The family called `name`: one of `families`, else loaded (backends/layout_families.py)."""
+    for family in families:
+        if family.name == name:
+            return family
+    return layout_families.load(name)
+
+
 @st.composite
 def attention_shapes(
-    draw, *, caps: Capabilities = ALL, max_heads: int = 8, dtypes=tuple(DTYPES), layout_kinds=LAYOUT_KINDS
+    draw,
+    *,
+    caps: Capabilities = ALL,
+    max_heads: int = 8,
+    dtypes=tuple(DTYPES),
+    layout_kinds=LAYOUT_KINDS,
+    families=(),
 ):
-    """The compile-time part of `attention_cases` (harness.cases.AttentionShape), within `caps`."""
+    """The compile-time part of `attention_cases` (harness.cases.AttentionShape), within `caps`.
+    `families` (backends.layout_families.Family) join the layout kinds when `caps` declares
+    general block masks."""
     dtypes, kinds = _allowed(dtypes, caps.dtypes), _allowed(layout_kinds, caps.layouts)
-    if not dtypes or not kinds:
+    layouts = [(kind, None) for kind in kinds]
+    if "block_mask" in caps.layouts:
+        layouts += [("family", family.name) for family in families]
+    if not dtypes or not layouts:
         raise ValueError(f"nothing to draw: dtypes {dtypes}, layouts {kinds} under {caps}")
     num_kv_heads = draw(st.integers(1, 2))
     group = draw(st.sampled_from([g for g in GQA_GROUPS if g * num_kv_heads <= max_heads] or [1]))
-    kind = draw(st.sampled_from(kinds))
-    block_size = draw(block_sizes(None if kind == "dense" else caps.block_sizes))
+    kind, family = draw(st.sampled_from(layouts))
+    block_size = 0 if family else draw(block_sizes(None if kind == "dense" else caps.block_sizes))
     return AttentionShape(
         dtype=draw(st.sampled_from(dtypes)),
         num_heads=num_kv_heads * group,
         num_kv_heads=num_kv_heads,
         head_dim=draw(_sizes(HEAD_DIMS, caps.head_dims)),
-        page_size=draw(page_sizes(block_size, caps.page_sizes)),
+        page_size=draw(page_sizes(block_size or None, caps.page_sizes)),
         layout_kind=kind,
         block_size=block_size,
+        family=family,
     )
+
+
+def family_layouts(family, num_heads: int, caps: Capabilities = ALL):
+    """The layouts of `family` for `num_heads` heads, within the block sizes `caps` declares."""
+    layouts = family.layouts(num_heads)
+    if caps.block_sizes is not None:
+        layouts = layouts.filter(lambda layout: layout.block_size in caps.block_sizes)
+    return layouts
 
 
 @st.composite
@@ -159,6 +210,7 @@ def attention_cases(
     max_heads: int = 8,
     dtypes=tuple(DTYPES),
     layout_kinds=LAYOUT_KINDS,
+    families=(),
     shape: AttentionShape | None = None,
     seeds: st.SearchStrategy[int] | None = None,
 ):
@@ -168,21 +220,29 @@ def attention_cases(
         caps: the implementation's capabilities; nothing outside them is drawn.
         decode: one query per sequence (`paged_decode`).
         max_seqs, max_seq_len, max_heads: size caps (keep them small under the CPU interpreter).
-        dtypes, layout_kinds: narrow the draw further (a test of one layout family, a fuzz --dtype).
+        dtypes, layout_kinds: narrow the draw further (a test of one layout kind, a fuzz --dtype).
+        families: outside layout families (backends.layout_families.Family) drawn beside the kinds.
         shape: the compile-time part, fixed (default: drawn by `attention_shapes`, within the above).
         seeds: the strategy of the tensors' seed (default `case_seeds()`).
     """
     if shape is None:
         shape = draw(
-            attention_shapes(caps=caps, max_heads=max_heads, dtypes=dtypes, layout_kinds=layout_kinds)
+            attention_shapes(
+                caps=caps, max_heads=max_heads, dtypes=dtypes, layout_kinds=layout_kinds, families=families
+            )
         )
     block = st.just(shape.block_size)
-    if shape.layout_kind == "dense":
+    drawn = None  # a family's layout object
+    if shape.layout_kind == "family":
+        drawn = draw(family_layouts(_family_named(shape.family, families), shape.num_heads, caps))
+        layout = None
+    elif shape.layout_kind == "dense":
         layout = LayoutSpec(block_size=shape.block_size)
     elif shape.layout_kind == "local_strided":
         layout = draw(local_strided_layouts(shape.num_heads, block))
     else:
         layout = draw(block_mask_layouts(block))
+    block_size = shape.block_size if drawn is None else drawn.block_size
     num_seqs = draw(st.integers(1, max_seqs))
     seq_lens, query_lens = [], []
     for _ in range(num_seqs):
@@ -190,11 +250,13 @@ def attention_cases(
         if decode:
             ctx = n - 1
         elif caps.context:
-            ctx = draw(context_len(n, shape.block_size, shape.page_size))
+            ctx = draw(context_len(n, block_size, shape.page_size))
         else:
             ctx = 0
         seq_lens.append(n)
         query_lens.append(n - ctx)
+    if drawn is not None:
+        layout = LayoutSpec.of_family(shape.family, drawn, shape.num_heads, max(seq_lens))
     return AttentionCase(
         seed=draw(case_seeds() if seeds is None else seeds),
         seq_lens=tuple(seq_lens),
@@ -220,9 +282,22 @@ FUZZ_CAPS = {
 FUZZ_DECODE_SEQS = {"cpu": 8, "cuda": 32}
 
 
-def fuzz_attention_shapes(*, caps: Capabilities = ALL, device: str = "cpu", dtypes=tuple(DTYPES)):
+def fuzz_attention_shapes(
+    *,
+    caps: Capabilities = ALL,
+    device: str = "cpu",
+    dtypes=tuple(DTYPES),
+    families=(),
+    layout_kinds=LAYOUT_KINDS,
+):
     """`attention_shapes` with the fuzz campaign's head cap for `device`."""
-    return attention_shapes(caps=caps, max_heads=FUZZ_CAPS[device]["max_heads"], dtypes=dtypes)
+    return attention_shapes(
+        caps=caps,
+        max_heads=FUZZ_CAPS[device]["max_heads"],
+        dtypes=dtypes,
+        layout_kinds=layout_kinds,
+        families=families,
+    )
 
 
 def fuzz_attention_cases(
@@ -233,12 +308,15 @@ def fuzz_attention_cases(
     dtypes=tuple(DTYPES),
     shape: AttentionShape | None = None,
     seeds: st.SearchStrategy[int] | None = None,
+    families=(),
 ):
     """`attention_cases` with the fuzz campaign's wider caps for `device` ("cpu" or "cuda")."""
     sizes = dict(FUZZ_CAPS[device])
     if decode:
         sizes["max_seqs"] = FUZZ_DECODE_SEQS[device]
-    return attention_cases(caps=caps, decode=decode, dtypes=dtypes, shape=shape, seeds=seeds, **sizes)
+    return attention_cases(
+        caps=caps, decode=decode, dtypes=dtypes, shape=shape, seeds=seeds, families=families, **sizes
+    )
 
 
 @st.composite

@@ -14,29 +14,20 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import tile_lists
 from kernels._common import (
     FINITE_MIN,
-    LAYOUT_BLOCK_MASK,
-    LAYOUT_DENSE,
-    LAYOUT_LOCAL_STRIDED,
     MIN_DOT,
-    TILES_LIST,
-    TILES_RESIDUES,
-    TILES_SEGMENTS,
-    LayoutArgs,
-    attend_tiles,
+    LastPlan,
+    attend,
     cdiv,
-    cdiv_jit,
-    ceil_to,
-    compact_lists,
     finalize,
     interpreted,
+    list_kwargs,
     padded_head_dim,
-    placeholder,
     positive_scale,
     scores_in_float64,
     shared_launch_kwargs,
-    vertical_target,
 )
 from reference.validation import PlanGuard, validate_paged_decode
 
@@ -53,16 +44,12 @@ REDUCE_WARPS = 4
 # Runtime integers that would otherwise compile one variant per value class (1, multiple of 16).
 NOT_SPECIALIZED = [
     "split_len",
-    "list_width",
     "page_size",
     "num_blocks",
     "sparse_block",
-    "local_blocks",
-    "vert_stride",
-    "head_step",
-    "head_offset",
     "group",
     "head_dim",
+    "stride_list_head",
 ]
 
 
@@ -75,98 +62,16 @@ def _num_splits(batch, num_keys: int, block_n: int, device: torch.device) -> int
     return max(1, min(wanted, cdiv(num_keys, MIN_SPLIT_KEYS)))
 
 
-_RESIDUES: dict = {}
-
-
-def _group_residues(args, batch, device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Per KV head, the sorted distinct residues mod vert_stride of its query heads' vertical columns.
-
-    Returns counts int32 [num_kv_heads], residues int32 [num_kv_heads, group] (rows padded with their
-    last residue) and the largest count, kept per device and layout so that a plan uploads them once.
-    """
-    group = batch.num_heads // batch.num_kv_heads
-    key = (args.vert_stride, args.head_step, args.head_offset, batch.num_heads, batch.num_kv_heads, device)
-    if key not in _RESIDUES:
-        v = args.vert_stride
-        rows = [
-            sorted(
-                {
-                    (v - 1 - ((args.head_offset + h) * args.head_step) % v) % v
-                    for h in range(k * group, (k + 1) * group)
-                }
-            )
-            for k in range(batch.num_kv_heads)
-        ]
-        counts = torch.tensor([len(r) for r in rows], dtype=torch.int32)
-        table = torch.tensor([r + r[-1:] * (group - len(r)) for r in rows], dtype=torch.int32)
-        _RESIDUES[key] = counts.to(device), table.to(device), max(len(r) for r in rows)
-    return _RESIDUES[key]
-
-
-def _residue_tiles_bound(args, batch, block_n: int, num_res: int) -> int:
-    """The most key tiles the residue enumeration gives a (sequence, KV head): the longest sequence's
-    vertical columns (num_res residues) below its band, and the band."""
-    size = args.block_size
-    qb = (max(batch.seq_lens) - 1) // size
-    band_lo = max(qb - args.local_blocks + 1, 0)
-    columns = num_res * cdiv(band_lo, args.vert_stride)
-    return columns * (size // block_n) + cdiv(max(batch.seq_lens) - band_lo * size, block_n)
-
-
-def _visible_tiles(layout, args, batch, seq_lens: torch.Tensor, block_n: int):
-    """Per (sequence, KV head), the key tiles (BLOCK_N grid) that some query head of the group may see.
-
-    Computed on the device from the layout's rule for each sequence's one query block. Returns counts
-    int32 [num_seqs, num_kv_heads] and tile indices int32 [num_seqs, num_kv_heads, width].
-    """
-    device, size = seq_lens.device, layout.block_size
-    num_blocks = cdiv(max(batch.seq_lens), size)
-    lens = seq_lens.long()
-    qb = ((lens - 1) // size).view(-1, 1, 1)
-    kb = torch.arange(num_blocks, device=device).view(1, 1, -1)
-    heads = torch.arange(batch.num_heads, device=device).view(1, -1, 1)
-    if args.kind == LAYOUT_BLOCK_MASK.value:
-        mask = args.mask.bool()  # [1 or num_heads, NB, NB]
-        mask_rows = heads.view(1, -1) if mask.shape[0] > 1 else torch.zeros_like(heads.view(1, -1))
-        # [num_seqs, num_heads, num_blocks]: each head's mask row at the sequence's query block
-        allowed = mask[mask_rows, qb.view(-1, 1)][..., :num_blocks]
-    else:
-        target = (
-            args.vert_stride - 1 - ((args.head_offset + heads) * args.head_step) % args.vert_stride
-        ) % args.vert_stride
-        allowed = ((qb - kb) < args.local_blocks) | ((kb % args.vert_stride) == target)
-    # [num_seqs, num_kv_heads, num_blocks]
-    blocks = (allowed & (kb <= qb)).view(batch.num_seqs, batch.num_kv_heads, -1, num_blocks).any(2)
-    first = torch.arange(cdiv(max(batch.seq_lens), block_n), device=device) * block_n
-    cols = torch.cat(
-        [torch.zeros_like(blocks[..., :1], dtype=torch.int32), blocks.cumsum(-1, dtype=torch.int32)], -1
-    )
-    kb_a, kb_b = first // size, torch.clamp((first + block_n - 1) // size, max=num_blocks - 1)
-    active = ((cols[..., kb_b + 1] - cols[..., kb_a]) > 0) & (first.view(1, 1, -1) < lens.view(-1, 1, 1))
-    return compact_lists(active)
-
-
 # Grid: (sequence, KV head, split). Rows of the tile are the GQA group of query heads sharing the KV
-# head (padded to BLOCK_G >= 16 for tl.dot). Dense: split s covers keys [s * split_len, (s+1) *
-# split_len). Sparse layouts enumerate the key tiles some head of the group may see (RESIDUES:
-# arithmetically, for local-strided with S % BLOCK_N == 0; otherwise from a list the plan builds), and
-# split s covers tiles [s * split_len, (s+1) * split_len) of it, masked per element (the heads of a
-# group see different vertical columns).
+# head (padded to BLOCK_G >= 16 for tl.dot). The lists of kernels/tile_lists.py, per (query block,
+# KV head), hold the key tiles some head of the group may see: full ones (every head sees them whole)
+# first, then partial ones; split s covers entries [s * split_len, (s+1) * split_len) of the two
+# together, the full part unmasked and the partial part masked per element.
 @triton.jit(do_not_specialize=NOT_SPECIALIZED)
 def paged_decode_split_kernel(
     q,
-    part_m,
-    part_l,
-    part_acc,
-    part_seen,
     k_cache,
     v_cache,
-    block_tables,
-    seq_lens,
-    split_len,
-    tile_counts,
-    tile_lists,
-    list_width,
     stride_qb,
     stride_qh,
     stride_qd,
@@ -174,30 +79,33 @@ def paged_decode_split_kernel(
     stride_tok,
     stride_kvh,
     stride_d,
-    stride_bt,
     qk_scale,
-    page_size,
-    mask_ptr,
-    mask_head_stride,
+    part_m,
+    part_l,
+    part_acc,
+    part_seen,
+    block_tables,
+    seq_lens,
+    split_len,
+    tile_lists,
+    block_mask,
+    stride_bt,
+    stride_list_kind,
+    stride_list_tile,
+    stride_list_head,
+    stride_mask_head,
     num_blocks,
     sparse_block,
-    local_blocks,
-    vert_stride,
-    head_step,
-    head_offset,
+    page_size,
     group,
     head_dim,
     BLOCK_G: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     EVEN_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    PAGE_ALIGNED: tl.constexpr,
     PAGE_SIZE_C: tl.constexpr,
-    LAYOUT: tl.constexpr,
     SCORES_F64: tl.constexpr,
     OFFSETS_I32: tl.constexpr,
-    TILES_PER_BLOCK: tl.constexpr,
-    RESIDUES: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
     i_kvh = tl.program_id(1).to(tl.int64)
@@ -221,8 +129,7 @@ def paged_decode_split_kernel(
         b_m = tl.full([BLOCK_G], FINITE_MIN, tl.float64)
     else:
         b_m = tl.full([BLOCK_G], FINITE_MIN, tl.float32)
-    # Dense and local-strided rows always see their own key; block-mask rows may be empty.
-    b_seen = tl.full([BLOCK_G], LAYOUT != LAYOUT_BLOCK_MASK, tl.int1)
+    b_seen = tl.zeros([BLOCK_G], tl.int1)
     state = (b_m, tl.zeros([BLOCK_G], tl.float32), tl.zeros([BLOCK_G, HEAD_DIM_PAD], tl.float32), b_seen)
 
     kv_off = i_kvh * stride_kvh
@@ -238,115 +145,28 @@ def paged_decode_split_kernel(
         m_d,
         seq_len,
     )
-    lay = (mask_ptr, mask_head_stride, num_blocks, sparse_block, local_blocks, vert_stride)
-    # [BLOCK_G, 1]: per-row vertical-column residue (local-strided) and mask row (block mask); padded
-    # rows read mask row 0 and are never stored.
-    target = vertical_target(head_offset + o_h, head_step, vert_stride)[:, None]
-    head = tl.where(m_g, o_h, 0)[:, None]
-    rows = (q_pos, target, head)
-    if LAYOUT == LAYOUT_DENSE:
-        lo = tl.program_id(2) * split_len
-        hi = tl.minimum(lo + split_len, seq_len)
-        num_full = tl.maximum(hi - lo, 0) // BLOCK_N
-        state = attend_tiles(
-            state,
-            b_q,
-            rows,
-            kv,
-            lay,
-            (0, 1, 0, lo),
-            num_full,
-            qk_scale,
-            BLOCK_N,
-            PAGE_ALIGNED,
-            PAGE_SIZE_C,
-            EVEN_D,
-            LAYOUT,
-            OFFSETS_I32,
-            TILES_PER_BLOCK,
-            TILES_SEGMENTS,
-            False,
-        )
-        last = (0, 1, 0, lo + num_full * BLOCK_N)
-        num_last = cdiv_jit(tl.maximum(hi - lo, 0), BLOCK_N) - num_full
-        state = attend_tiles(
-            state,
-            b_q,
-            rows,
-            kv,
-            lay,
-            last,
-            num_last,
-            qk_scale,
-            BLOCK_N,
-            PAGE_ALIGNED,
-            PAGE_SIZE_C,
-            EVEN_D,
-            LAYOUT,
-            OFFSETS_I32,
-            TILES_PER_BLOCK,
-            TILES_SEGMENTS,
-            True,
-        )
-    elif RESIDUES:
-        # Local-strided, S a multiple of BLOCK_N: the group's vertical columns left of the local
-        # band (sorted residues mod vert_stride of its heads, tile_lists[kv head]), then the band.
-        qb = (seq_len - 1) // sparse_block
-        band_lo = tl.maximum(qb - local_blocks + 1, 0)
-        num_res = tl.load(tile_counts + i_kvh)
-        p_res = tile_lists + i_kvh * list_width
-        o_r = tl.arange(0, BLOCK_G)
-        b_res = tl.load(p_res + o_r, mask=o_r < num_res, other=0)
-        # [BLOCK_G]: columns of each residue below band_lo (the numerator is >= 0: residue < stride)
-        b_cnt = tl.where(o_r < num_res, (band_lo - b_res + vert_stride - 1) // vert_stride, 0)
-        count_a = tl.sum(b_cnt, 0) * TILES_PER_BLOCK
-        total = count_a + cdiv_jit(seq_len - band_lo * sparse_block, BLOCK_N)
-        first = tl.program_id(2) * split_len
-        num = tl.minimum(tl.maximum(total - first, 0), split_len)
-        columns = (p_res, num_res, count_a, band_lo * sparse_block, first)
-        state = attend_tiles(
-            state,
-            b_q,
-            rows,
-            kv,
-            lay,
-            columns,
-            num,
-            qk_scale,
-            BLOCK_N,
-            PAGE_ALIGNED,
-            PAGE_SIZE_C,
-            EVEN_D,
-            LAYOUT,
-            OFFSETS_I32,
-            TILES_PER_BLOCK,
-            TILES_RESIDUES,
-            True,
-        )
-    else:
-        o_list = i_b * tl.num_programs(1) + i_kvh
-        first = tl.program_id(2) * split_len
-        num = tl.minimum(tl.maximum(tl.load(tile_counts + o_list) - first, 0), split_len)
-        listed = (tile_lists + o_list * list_width + first,)
-        state = attend_tiles(
-            state,
-            b_q,
-            rows,
-            kv,
-            lay,
-            listed,
-            num,
-            qk_scale,
-            BLOCK_N,
-            PAGE_ALIGNED,
-            PAGE_SIZE_C,
-            EVEN_D,
-            LAYOUT,
-            OFFSETS_I32,
-            TILES_PER_BLOCK,
-            TILES_LIST,
-            True,
-        )
+    qb = q_pos // sparse_block
+    # [BLOCK_G, 1]: each head's block-mask row at the query's block (padded rows are never read)
+    p_mask_row = block_mask + (tl.where(m_g, o_h, 0) * stride_mask_head + qb * num_blocks)[:, None]
+    rows = (q_pos, m_g[:, None], p_mask_row, sparse_block)
+    p_full = tile_lists + qb * stride_list_tile + i_kvh * stride_list_head
+    p_partial = p_full + stride_list_kind
+    num_full = tl.load(p_full)
+    # This split's entries [lo, hi) of the full list followed by the partial one.
+    lo = i_s * split_len
+    hi = lo + split_len
+    full_lo = tl.minimum(lo, num_full)
+    full_hi = tl.minimum(hi, num_full)
+    part_lo = tl.maximum(lo - num_full, 0)
+    part_hi = tl.minimum(tl.maximum(hi - num_full, 0), tl.load(p_partial))
+    state = attend(
+        state, b_q, rows, kv, p_full + 1 + full_lo, full_hi - full_lo, qk_scale, BLOCK_N, PAGE_SIZE_C,
+        EVEN_D, OFFSETS_I32, False,
+    )  # fmt: skip
+    state = attend(
+        state, b_q, rows, kv, p_partial + 1 + part_lo, tl.maximum(part_hi - part_lo, 0), qk_scale, BLOCK_N,
+        PAGE_SIZE_C, EVEN_D, OFFSETS_I32, True,
+    )  # fmt: skip
 
     # part_*: [num_seqs, num_heads, num_splits(, HEAD_DIM_PAD)]
     b_m, b_l, b_acc, b_seen = state
@@ -424,32 +244,23 @@ class DecodePlan:
             dict(q=q, k_cache=k_cache, v_cache=v_cache), dict(block_tables=block_tables, seq_lens=seq_lens)
         )
         self.return_lse = return_lse
-        # Integer metadata is read as contiguous memory by the kernel (a no-op when it already is).
-        self.block_tables, self.seq_lens = block_tables.contiguous(), seq_lens.contiguous()
         if batch.num_seqs == 0:
             return
         device = q.device
-        self.head_dim_pad = padded_head_dim(batch.head_dim)
-        self.block_n, self.num_warps, self.num_stages = CONFIG_INTERPRETER if interpreted() else CONFIG_GPU
-        args = LayoutArgs(layout, batch.num_heads, device)
-        residues = args.kind == LAYOUT_LOCAL_STRIDED.value and args.block_size % self.block_n == 0
-        if args.kind == LAYOUT_DENSE.value:
-            self.counts = self.lists = placeholder(device)
-            self.num_splits = _num_splits(batch, max(batch.seq_lens), self.block_n, device)
-            self.split_len = ceil_to(cdiv(max(batch.seq_lens), self.num_splits), self.block_n)
-        else:
-            if residues:
-                self.counts, self.lists, num_res = _group_residues(args, batch, device)
-                num_tiles = _residue_tiles_bound(args, batch, self.block_n, num_res)
-            else:
-                self.counts, self.lists = _visible_tiles(layout, args, batch, self.seq_lens, self.block_n)
-                num_tiles = self.lists.shape[-1]
-            self.num_splits = _num_splits(batch, num_tiles * self.block_n, self.block_n, device)
-            self.split_len = cdiv(num_tiles, self.num_splits)
-        self.constants = args.kernel_kwargs() | dict(
-            TILES_PER_BLOCK=max(args.block_size // self.block_n, 1), RESIDUES=residues
+        head_dim_pad = padded_head_dim(batch.head_dim)
+        block_n, num_warps, num_stages = CONFIG_INTERPRETER if interpreted() else CONFIG_GPU
+        group = batch.num_heads // batch.num_kv_heads
+        # Query "tiles" of one block: a sequence's lists are its query block's.
+        rows = block_n if layout is None else layout.block_size
+        lists = tile_lists.tile_lists(
+            layout, batch.num_heads, max(batch.seq_lens), rows, block_n, group, device
         )
-        self.block_g = max(MIN_DOT, triton.next_power_of_2(batch.num_heads // batch.num_kv_heads))
+        # The longest list any sequence walks, from the lists' host-side counts (no device read).
+        counts = lists.counts.sum(0)  # [num_tiles, list_heads]
+        blocks = torch.tensor([(n - 1) // lists.block_size for n in batch.seq_lens])
+        num_tiles = max(int(counts[blocks].max()), 1)
+        self.num_splits = _num_splits(batch, num_tiles * block_n, block_n, device)
+        block_g = max(MIN_DOT, triton.next_power_of_2(group))
         # The split kernel's scratch, [num_seqs, num_heads, num_splits(, HEAD_DIM_PAD)], written whole by
         # every run. Raw-score maxima keep its precision (float64 scores for float32 inputs).
         part_shape = (batch.num_seqs, batch.num_heads, self.num_splits)
@@ -457,67 +268,47 @@ class DecodePlan:
         self.parts = (
             torch.empty(part_shape, dtype=max_dtype, device=device),
             torch.empty(part_shape, dtype=torch.float32, device=device),
-            torch.empty((*part_shape, self.head_dim_pad), dtype=torch.float32, device=device),
+            torch.empty((*part_shape, head_dim_pad), dtype=torch.float32, device=device),
             torch.empty(part_shape, dtype=torch.int8, device=device),
+        )
+        self.grid = (batch.num_seqs, batch.num_kv_heads, self.num_splits)
+        self.launch = dict(
+            zip(("part_m", "part_l", "part_acc", "part_seen"), self.parts, strict=True),
+            block_tables=block_tables.contiguous(),
+            seq_lens=seq_lens.contiguous(),
+            split_len=cdiv(num_tiles, self.num_splits),
+            stride_bt=block_tables.contiguous().stride(0),
+            **list_kwargs(lists),
+            **shared_launch_kwargs(batch, k_cache, block_n),
+            BLOCK_G=block_g,
+            BLOCK_N=block_n,
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
+        self.reduce = dict(
+            head_dim=batch.head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            SPLITS_PAD=triton.next_power_of_2(self.num_splits),
+            num_warps=REDUCE_WARPS,
         )
 
     def run(self, q, k_cache, v_cache):
         """out [num_seqs, num_heads, head_dim] in q's dtype; with return_lse also lse float32."""
         self.guard.check(q=q, k_cache=k_cache, v_cache=v_cache)
-        batch = self.batch
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-        if batch.num_seqs:
-            self._launch(q, k_cache, v_cache, out, lse)
+        if self.batch.num_seqs:
+            if k_cache.stride() != v_cache.stride():
+                k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+            q_in, qk_scale = positive_scale(q, self.batch.scale)
+            # Per-run arguments by position (the kernel lists them first), the planned ones by name.
+            paged_decode_split_kernel[self.grid](
+                q_in, k_cache, v_cache, *q_in.stride(), *k_cache.stride(), qk_scale, **self.launch
+            )
+            paged_decode_reduce_kernel[(self.batch.num_seqs, self.batch.num_heads)](
+                *self.parts, out, lse, self.num_splits, qk_scale, *out.stride(), *lse.stride(), **self.reduce
+            )
         return (out, lse) if self.return_lse else out
-
-    def _launch(self, q, k_cache, v_cache, out, lse):
-        batch = self.batch
-        if k_cache.stride() != v_cache.stride():
-            k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
-        part_m, part_l, part_acc, part_seen = self.parts
-        q_in, qk_scale = positive_scale(q, batch.scale)
-        paged_decode_split_kernel[(batch.num_seqs, batch.num_kv_heads, self.num_splits)](
-            q_in,
-            part_m,
-            part_l,
-            part_acc,
-            part_seen,
-            k_cache,
-            v_cache,
-            self.block_tables,
-            self.seq_lens,
-            self.split_len,
-            self.counts,
-            self.lists,
-            self.lists.shape[-1],
-            *q_in.stride(),
-            *k_cache.stride(),
-            self.block_tables.stride(0),
-            qk_scale=qk_scale,
-            **self.constants,
-            **shared_launch_kwargs(batch, k_cache, self.block_n),
-            BLOCK_G=self.block_g,
-            BLOCK_N=self.block_n,
-            num_warps=self.num_warps,
-            num_stages=self.num_stages,
-        )
-        paged_decode_reduce_kernel[(batch.num_seqs, batch.num_heads)](
-            part_m,
-            part_l,
-            part_acc,
-            part_seen,
-            out,
-            lse,
-            self.num_splits,
-            qk_scale,
-            *out.stride(),
-            *lse.stride(),
-            head_dim=batch.head_dim,
-            HEAD_DIM_PAD=self.head_dim_pad,
-            SPLITS_PAD=triton.next_power_of_2(self.num_splits),
-            num_warps=REDUCE_WARPS,
-        )
 
 
 def plan_decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, layout=None, return_lse=False):
@@ -534,7 +325,8 @@ def plan_decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, layo
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, layout=None, return_lse=False):
     """Attention of each sequence's last token over its paged KV cache.
 
-    spec: `reference.paged_decode.paged_decode`.
+    spec: `reference.paged_decode.paged_decode`. Repeated calls reuse the last plan as
+    `kernels.paged_prefill.paged_prefill` does (`kernels._common.LastPlan`).
 
     Args:
         q (torch.Tensor):
@@ -547,8 +339,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, lay
             int32 [num_seqs], >= 1, the new token included.
         scale (float | None):
             Score scale. Default: `None`, meaning 1/sqrt(head_dim).
-        layout (LocalStridedLayout | BlockMaskLayout | None):
-            Block-sparse layout. Default: `None`, dense causal.
+        layout (a layout | None):
+            Block-sparse layout (the protocol of reference/layouts.py). Default: `None`, dense causal.
         return_lse (bool):
             Also return the log-sum-exp. Default: `False`.
     Returns:
@@ -556,7 +348,9 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, lay
         lse [num_seqs, num_heads] float32 (natural log; -inf and out 0 for a row with no key, NaN
         for a row that sees a non-finite value).
     """
-    plan = plan_decode(
+    return _LAST_PLAN(
         q, k_cache, v_cache, block_tables, seq_lens, scale=scale, layout=layout, return_lse=return_lse
     )
-    return plan.run(q, k_cache, v_cache)
+
+
+_LAST_PLAN = LastPlan(plan_decode)

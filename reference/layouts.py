@@ -1,7 +1,25 @@
 """Block-sparse layouts (contract §2): which (query block, key block) pairs each head attends.
 
+The layout protocol. A layout is any object with
+    block_size: int >= 1
+        S, tokens per sparse block (position p lies in block p // S);
+    block_mask(num_heads, num_blocks) -> bool [num_heads, num_blocks, num_blocks]
+        whether query block qb of head h may see key block kb, causality included (False above the
+        diagonal). Positions are absolute, so a smaller grid is the corner of a larger one:
+        block_mask(H, m) == block_mask(H, n)[:, :m, :m] for m <= n. An expanded view (head stride 0)
+        says that every head has the same mask. It may raise ValueError for a grid it does not cover.
+and, optionally,
+    token_mask(num_heads, q_pos, k_pos) -> bool [num_heads, len(q_pos), len(k_pos)]
+        the same rule per token, for a family that can say it without the block grid (the local-strided
+        formula, exact for rows that straddle blocks at any length); it must equal `token_mask` below.
+
 The token rule is always `allowed(h, pq, pk) = pk <= pq and block_allowed(h, pq // S, pk // S)`.
+Everything that reads a layout (the oracle, validation, the kernels' tile lists) goes through
+`layout_block_mask` and `token_mask` here, never through a layout's class. A layout must not change
+after its first use: its validated block mask is kept (`layout_block_mask`).
 """
+
+import weakref
 
 import torch
 
@@ -134,18 +152,22 @@ class BlockMaskLayout:
         return self.mask.shape[1]
 
     def _per_head(self, num_heads: int) -> torch.Tensor:
-        if self.mask.shape[0] not in (1, num_heads):
-            raise ValueError(f"layout has {self.mask.shape[0]} heads, expected 1 or {num_heads}")
-        return self.mask.expand(num_heads, -1, -1)
+        return self._per_head_of(self.mask, num_heads)
 
     def block_mask(self, num_heads: int, num_blocks: int) -> torch.Tensor:
-        """Dense block mask, causal rule included. Returns: bool [num_heads, num_blocks, num_blocks]."""
+        """Dense block mask, causal rule included. Returns: bool [num_heads, num_blocks, num_blocks]
+        (an expanded view when one mask serves every head)."""
         check_int("num_heads", num_heads, 1)
         check_int("num_blocks", num_blocks, 0)
         if num_blocks > self.num_blocks:
             raise ValueError(f"num_blocks ({num_blocks}) exceeds the layout's {self.num_blocks} blocks")
-        mask = self._per_head(num_heads)[:, :num_blocks, :num_blocks]
-        return mask & causal_block_mask(num_blocks)
+        mask = self.mask[:, :num_blocks, :num_blocks] & causal_block_mask(num_blocks)
+        return self._per_head_of(mask, num_heads)
+
+    def _per_head_of(self, mask: torch.Tensor, num_heads: int) -> torch.Tensor:
+        if mask.shape[0] not in (1, num_heads):
+            raise ValueError(f"layout has {mask.shape[0]} heads, expected 1 or {num_heads}")
+        return mask.expand(num_heads, -1, -1)
 
     def token_mask(self, num_heads: int, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         """Token mask, causal rule included. Returns: bool [num_heads, len(q_pos), len(k_pos)]."""
@@ -189,3 +211,90 @@ def random_block_mask(num_heads: int, num_blocks: int, density: float, seed: int
     gen = torch.Generator().manual_seed(seed)
     keep = torch.rand(num_heads, num_blocks, num_blocks, generator=gen) < density
     return keep & causal_block_mask(num_blocks)
+
+
+def _check_protocol(layout) -> int:
+    """The layout's block size; TypeError naming `layout` when it is not a layout (module docstring)."""
+    size = getattr(layout, "block_size", None)
+    if (
+        not callable(getattr(layout, "block_mask", None))
+        or isinstance(size, bool)
+        or not isinstance(size, int)
+    ):
+        raise TypeError(
+            "layout must be None or a layout: an object with an int block_size and a block_mask(num_heads, "
+            f"num_blocks) method (reference/layouts.py), got {type(layout).__name__}"
+        )
+    if size < 1:
+        raise ValueError(f"layout.block_size must be >= 1, got {size}")
+    return size
+
+
+def _checked_mask(layout, num_heads: int, num_blocks: int) -> torch.Tensor:
+    mask = layout.block_mask(num_heads, num_blocks)
+    shape = (num_heads, num_blocks, num_blocks)
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or tuple(mask.shape) != shape:
+        got = f"{mask.dtype} {list(mask.shape)}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(
+            f"layout.block_mask({num_heads}, {num_blocks}) must be a bool tensor {list(shape)}, got {got}"
+        )
+    mask = mask.cpu()
+    # One mask for every head (an expanded view, or equal rows) is kept once: [1, NB, NB].
+    if num_heads > 1 and (mask.stride(0) == 0 or bool((mask == mask[:1]).all())):
+        mask = mask[:1]
+    # Causality is part of the protocol; a family that forgets it cannot open the upper triangle.
+    return (mask & causal_block_mask(num_blocks)).contiguous()
+
+
+# layout -> {num_heads: validated mask [1 or num_heads, cap, cap]}, cap >= every grid asked so far.
+_MASKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def kept_block_mask(layout, num_heads: int, num_blocks: int) -> torch.Tensor:
+    """The layout's validated block mask on a grid of at least `num_blocks` blocks, on the CPU.
+    Returns bool [1 or num_heads, NB', NB'] with NB' >= num_blocks: one row of heads when every head
+    has the same mask.
+
+    Raises TypeError when `layout` is not a layout and ValueError when its mask is malformed or does
+    not cover `num_blocks` blocks. The mask is computed once per layout and number of heads, on a grid
+    rounded up to a power of two (when the layout covers it); smaller grids are its corners.
+    """
+    _check_protocol(layout)
+    check_int("num_heads", num_heads, 1)
+    check_int("num_blocks", num_blocks, 0)
+    try:
+        kept = _MASKS.setdefault(layout, {})
+    except TypeError:  # not weak-referenceable: computed per call
+        kept = {}
+    mask = kept.get(num_heads)
+    if mask is None or mask.shape[1] < num_blocks:
+        wanted = 1 << max(num_blocks - 1, 0).bit_length()
+        try:
+            mask = _checked_mask(layout, num_heads, wanted)
+        except ValueError:
+            mask = _checked_mask(layout, num_heads, num_blocks)
+        kept[num_heads] = mask
+    return mask
+
+
+def layout_block_mask(layout, num_heads: int, num_blocks: int) -> torch.Tensor:
+    """`kept_block_mask` cut to num_blocks: bool [1 or num_heads, num_blocks, num_blocks]."""
+    return kept_block_mask(layout, num_heads, num_blocks)[:, :num_blocks, :num_blocks]
+
+
+def token_mask(layout, num_heads: int, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """The token rule of contract §2 for any layout (None: dense causal), through the layout's own
+    `token_mask` when it has one. Returns: bool [num_heads, len(q_pos), len(k_pos)]."""
+    check_int("num_heads", num_heads, 1)
+    _check_positions(q_pos, k_pos)
+    q_pos, k_pos = q_pos.cpu().long(), k_pos.cpu().long()
+    causal = k_pos.view(1, -1) <= q_pos.view(-1, 1)
+    if layout is None:
+        return causal.expand(num_heads, -1, -1)
+    size = _check_protocol(layout)
+    if callable(getattr(layout, "token_mask", None)):
+        return layout.token_mask(num_heads, q_pos, k_pos)
+    top = max([int(p.max()) for p in (q_pos, k_pos) if p.numel()], default=0)
+    mask = layout_block_mask(layout, num_heads, top // size + 1)
+    qb, kb = q_pos // size, k_pos // size
+    return causal & mask[:, qb][:, :, kb].expand(num_heads, -1, -1)

@@ -36,8 +36,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, lay
             int32 [num_seqs], >= 1, the new token included.
         scale (float | None):
             Score scale. Default: `None`, meaning 1/sqrt(head_dim).
-        layout (LocalStridedLayout | BlockMaskLayout | None):
-            Block-sparse layout. Default: `None`, dense causal.
+        layout (a layout | None):
+            Block-sparse layout (the protocol of reference/layouts.py). Default: `None`, dense causal.
         return_lse (bool):
             Also return the log-sum-exp. Default: `False`.
     Returns:

@@ -9,6 +9,7 @@ import math
 import torch
 
 from reference.error_bound import attention_bounds
+from reference.layouts import token_mask
 from reference.validation import PagedBatch, PlanGuard, validate_paged_prefill
 
 
@@ -91,14 +92,6 @@ def masked_softmax_attention(q, k, v, mask, scale: float, model=None, levels=())
     lse = lse.squeeze(-1).masked_fill(bad, math.nan)
     bounds = [(ob.permute(1, 0, 2), lb.squeeze(-1).permute(1, 0)) for ob, lb in bounds]
     return out.permute(1, 0, 2), lse.permute(1, 0), bounds
-
-
-def token_mask(layout, num_heads: int, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-    """The layout's token mask, or plain causal for `layout=None`. Returns: bool [H, Q, K]."""
-    if layout is None:
-        causal = k_pos.view(1, -1) <= q_pos.view(-1, 1)
-        return causal.expand(num_heads, -1, -1)
-    return layout.token_mask(num_heads, q_pos, k_pos)
 
 
 def prefill_float64(batch: PagedBatch, q, k_cache, v_cache, block_tables, layout, model=None, levels=()):
@@ -187,8 +180,8 @@ def paged_prefill(
             int32 [num_seqs + 1], cumulative query counts.
         scale (float | None):
             Score scale. Default: `None`, meaning 1/sqrt(head_dim).
-        layout (LocalStridedLayout | BlockMaskLayout | None):
-            Block-sparse layout. Default: `None`, dense causal.
+        layout (a layout | None):
+            Block-sparse layout (the protocol of reference/layouts.py). Default: `None`, dense causal.
         return_lse (bool):
             Also return the log-sum-exp. Default: `False`.
     Returns:

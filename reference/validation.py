@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from reference.layouts import BlockMaskLayout, LocalStridedLayout
+from reference.layouts import layout_block_mask
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -88,20 +88,13 @@ def _check_scale(scale, head_dim: int) -> float:
 
 
 def _check_layout(layout, num_heads: int, seq_lens: list[int]) -> None:
+    """The layout protocol (reference/layouts.py) over the blocks the longest sequence needs; the mask
+    is computed once per layout and kept, so a repeated call costs a lookup."""
     if layout is None:
         return
-    if isinstance(layout, LocalStridedLayout):
-        layout.head_step(num_heads)  # raises on a shard that overruns num_heads_total
-        return
-    if not isinstance(layout, BlockMaskLayout):
-        raise TypeError(
-            f"layout must be None, LocalStridedLayout or BlockMaskLayout, got {type(layout).__name__}"
-        )
-    if layout.mask.shape[0] not in (1, num_heads):
-        raise ValueError(f"layout has {layout.mask.shape[0]} heads, expected 1 or {num_heads}")
-    needed = math.ceil(max(seq_lens, default=0) / layout.block_size)
-    if needed > layout.num_blocks:
-        raise ValueError(f"layout covers {layout.num_blocks} blocks, the longest sequence needs {needed}")
+    size = getattr(layout, "block_size", 1)
+    needed = math.ceil(max(seq_lens, default=0) / size) if isinstance(size, int) and size >= 1 else 0
+    layout_block_mask(layout, num_heads, needed)
 
 
 def _on_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -274,6 +267,14 @@ class PlanGuard:
         for name, (t, version) in self.metadata.items():
             if t._version != version:
                 raise ValueError(f"stale plan: {name} was modified after planning; plan again")
+
+    def matches(self, **tensors: torch.Tensor) -> bool:
+        """Whether `check` would pass."""
+        try:
+            self.check(**tensors)
+        except (TypeError, ValueError):
+            return False
+        return True
 
 
 def _signature(t: torch.Tensor) -> tuple:

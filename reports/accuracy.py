@@ -1,6 +1,7 @@
 """`nox -s report` (or `python3 -m reports.accuracy --device cuda`): the numerical accuracy report.
 
-    python -m reports.accuracy [--backend NAME[,NAME...]] [--device cpu|cuda] [--profile P] [--out DIR]
+    python -m reports.accuracy [--backend NAME[,NAME...]] [--layout-family NAME] [--device cpu|cuda]
+                               [--profile P] [--out DIR]
 
 Each implementation (a registry name: triton, reference, sdpa, flex, package.module:attr or
 path/file.py:attr; contract §9) gets one verdict. Every case is run and judged by
@@ -26,8 +27,8 @@ from dataclasses import asdict
 
 import torch
 
-from harness import registry
-from harness.cases import LAYOUT_KINDS
+from backends import layout_families, registry
+from backends.registry import LAYOUT_KINDS
 from harness.records import jsonable, versions
 from reports.accuracy_cases import PROFILES, Profile, curve_cases, kept_share, summary_cases
 from reports.accuracy_measure import Runner, aggregate, load_implementations
@@ -46,15 +47,17 @@ def log(message: str) -> None:
     print(f"[{time.time() - _T0:6.1f} s] {message}", file=sys.stderr, flush=True)
 
 
-def summary_rows(runner: Runner, p: Profile, impls: dict) -> list[dict]:
-    """One row per operator x layout x dtype x implementation, each over the profile's batches."""
+def summary_rows(runner: Runner, p: Profile, impls: dict, families=()) -> list[dict]:
+    """One row per operator x layout x dtype x implementation, each over the profile's batches; the
+    layouts are the built-in kinds and the outside `families` (backends.layout_families.Family)."""
     rows = []
     for op in OPERATORS:
-        for kind in ("dense",) if op == "write_kv" else LAYOUT_KINDS:
+        layouts = [(kind, None) for kind in LAYOUT_KINDS] + [(family_label(f), f) for f in families]
+        for kind, family in [("dense", None)] if op == "write_kv" else layouts:
             for dtype in p.dtypes:
                 measures = {name: [] for name in impls}
                 # Cases outermost, so that a case's oracle is computed once for every implementation.
-                for case in summary_cases(p, op, kind, dtype):
+                for case in summary_cases(p, op, kind, dtype, family):
                     for name, impl in impls.items():
                         if op == "write_kv":
                             measures[name].append(runner.write_kv(impl, case))
@@ -67,6 +70,12 @@ def summary_rows(runner: Runner, p: Profile, impls: dict) -> list[dict]:
                     )
                     log(f"{op:13s} {layout:13s} {dtype:8s} {name:10s} {cell(rows[-1])}")
     return rows
+
+
+def family_label(family) -> str:
+    """A family's name in the report's layout column: its file (or module) and attribute."""
+    where, _, attr = family.name.rpartition(":")
+    return f"{pathlib.Path(where).name}:{attr}"
 
 
 def curves(runner: Runner, p: Profile, impls: dict) -> dict:
@@ -108,6 +117,14 @@ def _parse(argv):
         default=",".join(DEFAULT_BACKENDS),
         help="comma-separated implementations (default: %(default)s): " + registry.describe_names(),
     )
+    parser.add_argument(
+        "--layout-family",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="repeatable; also judge the layouts of this family (package.module:attribute or "
+        "path/to/file.py:attribute, backends/layout_families.py), one row per operator and dtype",
+    )
     parser.add_argument("--device", choices=tuple(DEVICE_FOLDERS), default="cpu")
     parser.add_argument("--profile", choices=tuple(PROFILES), default=None, help="default: the device's")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="default: reports/<cpu|gpu>")
@@ -148,8 +165,9 @@ def main(argv=None) -> int:
         else dict(name=n, available=False, reason=unavailable[n])
         for n in args.names
     ]
+    families = [layout_families.load(name) for name in args.layout_family]
     runner = Runner(args.device)
-    rows = summary_rows(runner, p, impls)
+    rows = summary_rows(runner, p, impls, families)
     curve_data = curves(runner, p, impls)
     meta = dict(
         device=args.device,

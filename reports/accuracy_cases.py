@@ -6,12 +6,14 @@ the conformance matrix, `curve_cases` the points of the error curves. Every case
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from harness.cases import DTYPES, AttentionCase, LayoutSpec
+from harness.strategies import sample
 
 FIRST_SUMMARY_SEED = 11
 CURVE_SEED = 21
+FAMILY_SEED = 31
 ALL_DTYPES = tuple(DTYPES)
 
 
@@ -118,12 +120,19 @@ def kept_share(case: AttentionCase) -> float:
     return round(float(mask.sum()) / causal, 3)
 
 
-def summary_cases(p: Profile, op: str, kind: str, dtype: str) -> list[AttentionCase]:
-    """The profile's batches for one operator, layout kind and dtype (decode: one query per sequence)."""
+def summary_cases(p: Profile, op: str, kind: str, dtype: str, family=None) -> list[AttentionCase]:
+    """The profile's batches for one operator, layout kind and dtype (decode: one query per sequence).
+    With an outside `family` (backends.layout_families.Family), its layouts instead: the same ones every
+    run (hypothesis draws from a fixed seed, the family's simplest layout first), one per batch."""
+    layouts = sample(family.layouts(p.num_heads), len(p.batches), FAMILY_SEED) if family else []
     cases = []
     for i, (lens, ctx) in enumerate(p.batches):
         context = tuple(n - 1 for n in lens) if op == "paged_decode" else ctx
-        cases.append(make_case(p, lens, context, dtype, kind, FIRST_SUMMARY_SEED + i))
+        case = make_case(p, lens, context, dtype, kind, FIRST_SUMMARY_SEED + i)
+        if family:
+            drawn = layouts[i % len(layouts)]
+            case = replace(case, layout=LayoutSpec.of_family(family.name, drawn, p.num_heads, max(lens)))
+        cases.append(case)
     return cases
 
 

@@ -12,7 +12,7 @@ from collections import Counter
 
 import torch
 
-from harness import registry
+from backends import registry
 from harness.cases import build_inputs, write_kv_inputs
 from harness.judge import bits, judge_attention, judge_write_kv, oracle
 

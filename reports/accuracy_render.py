@@ -22,7 +22,7 @@ FLEX_NOTE = (
     "block count stayed baked in and later calls at other lengths went wrong "
     "([pytorch issue 178365](https://github.com/pytorch/pytorch/issues/178365)). A fresh process "
     "passed at 4096 tokens, and the order of calls decided which lengths failed. The suite's flex adapter "
-    "(`harness/comparison.py`) writes its mask functions without default arguments (they capture their "
+    "(`backends/comparison.py`) writes its mask functions without default arguments (they capture their "
     "values in closures), so it is not hit; `tests/harness/test_comparison.py` fails if the pattern comes "
     "back. If you call FlexAttention yourself on torch 2.11, do not give a `mask_mod` default arguments."
 )

@@ -55,7 +55,7 @@ def _call(impl, op: str, positional, keywords, device):
 
 def sweep(cases, device: str, bug_names, good_names):
     """(bug rows, good rows): per bug, its manifesting cases' verdicts; per good kernel, all verdicts."""
-    from harness import registry
+    from backends import registry
     from harness.cases import attention_args, build_inputs
     from harness.judge import judge_attention, oracle
 

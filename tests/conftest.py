@@ -1,12 +1,15 @@
 """One place decides what runs where: hardware gating, the implementation under test, capabilities.
 
 - Markers `gpu` (real device required) and `slow` (excluded by default) get their skips at collection.
-- `--backend NAME` (harness/registry.py) selects the implementation every operator test receives as
+- `--backend NAME` (backends/registry.py) selects the implementation every operator test receives as
   the `impl` fixture. Tests of something it does not declare are skipped at collection, with the
   reason: the marker `operator(name, ...)` names the operators a test calls, `requires(lse=True, ...)`
   the capabilities it needs, and parameters called `dtype`, `layout_kind`, `operator` or `case` are
   checked against what it declares and provides. Tests marked `ours` test this repository's own
   kernels and run only with the default backend `triton`.
+- `--layout-family NAME` (backends/layout_families.py, repeatable) selects the families that tests
+  taking a `family` parameter sweep; by default the example family of examples/. A family's layouts
+  are general block masks: an implementation that does not declare `block_mask` skips them.
 - `--xfails-file` / `--skips-file`: the user's own lists of test-id patterns.
 - An implementation that refuses a drawn case with NotImplementedError makes it *unsupported*: never
   passed or failed, counted per test and summed at the end. A ValueError or TypeError on a valid
@@ -32,10 +35,14 @@ import torch
 from hypothesis import event, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 
+from backends import layout_families, registry
 from fuzz import backend_names, case_file, saved_failures
-from harness import isolation, registry
+from harness import isolation
 
 IMPLEMENTATION = pytest.StashKey()
+FAMILIES = pytest.StashKey()
+REPO = pathlib.Path(__file__).resolve().parent.parent
+DEFAULT_FAMILIES = (f"{REPO / 'examples' / 'sliding_window_sinks.py'}:family",)
 PATTERNS = pytest.StashKey()
 INFLIGHT_FOLDER = pytest.StashKey()
 UNSUPPORTED_PROPERTY = "unsupported_cases"
@@ -62,6 +69,8 @@ def example_database(impl) -> pathlib.Path:
 def pytest_configure(config):
     impl = registry.load(config.getoption("--backend"))
     config.stash[IMPLEMENTATION] = impl
+    names = config.getoption("--layout-family") or DEFAULT_FAMILIES
+    config.stash[FAMILIES] = [layout_families.load(name) for name in names]
     current = settings.get_current_profile_name()
     settings.register_profile(
         f"{current}-{impl.name}",
@@ -87,6 +96,12 @@ def pytest_configure(config):
         "planned: a test of the planned path (plan_prefill / plan_decode), where the implementation has one",
     ):
         config.addinivalue_line("markers", line)
+
+
+def pytest_generate_tests(metafunc):
+    if "family" in metafunc.fixturenames:
+        families = metafunc.config.stash[FAMILIES]
+        metafunc.parametrize("family", families, ids=[pathlib.Path(f.name).name for f in families])
 
 
 def pytest_unconfigure(config):
@@ -119,6 +134,8 @@ def _refusal(item, impl) -> str | None:
         return f"{impl.name} provides no {params['operator']}"
     if "layout_kind" in params and params["layout_kind"] not in caps.layouts:
         return f"{impl.name} does not declare layout {params['layout_kind']}"
+    if "family" in params and "block_mask" not in caps.layouts:
+        return f"{impl.name} does not declare layout block_mask (a layout family's layouts are block masks)"
     case = params.get("case")
     marker = item.get_closest_marker("operator")
     if case is not None and marker is not None:

@@ -206,7 +206,7 @@ def _shard_offset_dropped(op):
 
 def _triton_shard_offset_dropped():
     import kernels
-    from harness import registry
+    from backends import registry
 
     return SimpleNamespace(
         write_kv=kernels.write_kv,

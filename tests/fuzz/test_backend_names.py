@@ -1,8 +1,8 @@
 """Implementation names as the campaign records them (fuzz/backend_names.py): a file name becomes
 the same string from any working directory."""
 
+from backends.registry import REPO
 from fuzz import backend_names
-from harness.registry import REPO
 
 
 def test_builtin_and_module_names_are_kept():

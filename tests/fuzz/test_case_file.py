@@ -5,8 +5,8 @@ import json
 
 import pytest
 
+from backends import registry
 from fuzz import case_file, targets
-from harness import registry
 from harness.cases import AttentionCase, LayoutSpec
 from harness.judge import Verdict
 from tests.fuzz.implementations import named

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from backends import registry
 from fuzz.engine_target import EngineTarget
-from harness import registry
 from harness.engine_check import compare_cold_warm
 from tests.fuzz.implementations import named
 

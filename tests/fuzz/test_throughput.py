@@ -8,12 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from backends import registry
+from backends.registry import LAYOUT_KINDS
 from fuzz import campaign, targets
 from fuzz.summary import TIME_PHASES, Tally, time_split
-from fuzz.worker import Worker, sample
-from harness import registry, timing
-from harness.cases import LAYOUT_KINDS, AttentionShape
-from harness.strategies import attention_cases, attention_shapes
+from fuzz.worker import Worker
+from harness import timing
+from harness.cases import AttentionShape
+from harness.strategies import attention_cases, attention_shapes, sample
 
 GIB = 2**30
 

@@ -1,4 +1,4 @@
-"""The comparison implementations (harness/comparison.py): the flex adapter keeps its mask functions
+"""The comparison implementations (backends/comparison.py): the flex adapter keeps its mask functions
 free of default arguments (torch 2.11's FlexAttention on CUDA baked a default argument of a cached
 mask function into later calls, pytorch issue 178365), and sdpa and flex, loaded through the
 registry, pass small dense and sparse cases on the CPU."""
@@ -6,8 +6,9 @@ registry, pass small dense and sparse cases on the CPU."""
 import pytest
 import torch
 
-from harness import comparison, registry
-from harness.cases import LAYOUT_KINDS, AttentionCase, LayoutSpec
+from backends import comparison, registry
+from backends.registry import LAYOUT_KINDS
+from harness.cases import AttentionCase, LayoutSpec
 from harness.judge import judge_attention
 from reference.paged_prefill import token_mask
 

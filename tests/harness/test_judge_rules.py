@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import reference
-from harness import registry
+from backends import registry
 from harness.cases import AttentionCase, LayoutSpec, attention_args, build_inputs, write_kv_inputs
 from harness.isolation import Isolated
 from harness.judge import judge_attention, judge_outputs, judge_write_kv, oracle

@@ -10,7 +10,8 @@ that only just fails would be one rounding-order change away from passing.
 import pytest
 from hypothesis import HealthCheck, Phase, find, settings
 
-from harness import bad_inputs, planted_bugs, registry
+from backends import registry
+from harness import bad_inputs, planted_bugs
 from harness.judge import judge_attention
 from harness.strategies import attention_cases
 from tests.kernels import test_paged_decode, test_paged_prefill

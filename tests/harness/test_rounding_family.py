@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from harness import registry
+from backends import registry
 from harness.judge import judge_attention
 from harness.strategies import fuzz_attention_cases
 from tests.budgets import examples

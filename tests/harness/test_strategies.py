@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, find, settings
 from hypothesis.errors import NoSuchExample
 
-from harness.cases import DTYPES, LAYOUT_KINDS
-from harness.registry import Capabilities
+from backends.registry import LAYOUT_KINDS, Capabilities
+from harness.cases import DTYPES
 from harness.strategies import SCALE_LIMIT, attention_cases, engine_cases, scales, write_kv_cases
 
 # Derandomized: each search is the same every run (a region found today is found every time).

@@ -1,5 +1,7 @@
 """The planned path: one plan serves every layer of a step, and a stale plan is refused, never used."""
 
+import importlib
+
 import pytest
 import torch
 
@@ -100,3 +102,45 @@ def test_write_plan_refuses_stale_slots_and_other_tensors(impl, device):
     args["slot_mapping"].add_(0)
     with pytest.raises(ValueError, match="stale plan: slot_mapping"):
         plan.run(*tensors)
+
+
+def _fresh(args):
+    """The same values in new tensors: a call no memo can recognize."""
+    return [a.clone() for a in args]
+
+
+@pytest.mark.ours
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("write", ["block_tables", "seq_lens"])
+def test_op_sees_metadata_written_in_place(impl, device, op, write):
+    """The public op remembers its last plan (kernels._common.LastPlan); metadata written in place
+    since (the version counter moves) is validated and planned afresh, never read through the old plan."""
+    fn, _, args, inputs = _call(impl, op, device)
+    q, k_cache, v_cache, block_tables, seq_lens, *rest = args
+    first = fn(*args, layout=inputs["layout"], return_lse=True)
+    if write == "block_tables":  # the first two pages of sequence 0 trade places
+        block_tables[0, :2] = block_tables[0, :2].flip(0).clone()
+    else:  # sequence 0 one token shorter (a cached context token fewer)
+        seq_lens[:1] -= 1
+    again = fn(*args, layout=inputs["layout"], return_lse=True)
+    want = fn(*_fresh(args), layout=inputs["layout"], return_lse=True)
+    assert all(torch.equal(a, w) for a, w in zip(again, want, strict=True))
+    assert not all(torch.equal(a, f) for a, f in zip(again, first, strict=True)), "the write changed nothing"
+
+
+@pytest.mark.ours
+@pytest.mark.parametrize("op", OPS)
+def test_op_validates_once_for_repeated_calls(impl, device, op, monkeypatch):
+    module = importlib.import_module(f"kernels.paged_{op}")
+    name = "validate_paged_decode" if OPS[op] else "validate_paged_prefill"
+    calls = []
+    validate = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or validate(*a, **k))
+    fn, _, args, inputs = _call(impl, op, device)
+    calls.clear()  # the explicit plan of _call
+    for _ in range(3):
+        fn(*args, layout=inputs["layout"])
+    assert len(calls) == 1, "the same metadata, unmodified: one validation"
+    fn(*args, layout=inputs["layout"], return_lse=True)
+    fn(*args[:3], *_fresh(args[3:]), layout=inputs["layout"], return_lse=True)
+    assert len(calls) == 3, "another return_lse, or other metadata tensors: planned again"

@@ -7,7 +7,7 @@ import pytest
 
 import kernels
 import reference
-from harness.registry import OPERATORS
+from backends.registry import OPERATORS
 
 # The calls the suite makes (contract §4): positional tensors, keyword-only options.
 CALLS = {

@@ -1,6 +1,7 @@
 """Layout builders against the per-element formula of contract §2, compared exactly."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import reference as ref
-from harness.strategies import block_sizes, local_strided_layouts
+from harness.strategies import block_mask_layouts, block_sizes, local_strided_layouts
 from tests.budgets import examples
 
 
@@ -185,3 +186,79 @@ def test_sparse_layout_count_grows_linearly():
     nb = 512
     per_row = layout.block_mask(1, nb)[0, -1].sum()
     assert per_row == 16 + math.ceil((nb - 16) / 8)
+
+
+def check_protocol(layout, num_heads: int, num_blocks: int) -> None:
+    """The layout protocol of reference/layouts.py: a causal bool [H, NB, NB] mask whose smaller grids
+    are its corners, and a token_mask, where the layout has one, equal to the block rule per token."""
+    mask = layout.block_mask(num_heads, num_blocks)
+    assert mask.dtype == torch.bool and tuple(mask.shape) == (num_heads, num_blocks, num_blocks)
+    assert not mask.triu(1).any(), "block_mask must include causality (no block above the diagonal)"
+    for smaller in {0, min(1, num_blocks), num_blocks // 2}:
+        assert torch.equal(layout.block_mask(num_heads, smaller), mask[:, :smaller, :smaller])
+    positions = torch.arange(num_blocks * layout.block_size)
+    pq, pk = positions.view(-1, 1), positions.view(1, -1)
+    rule = (pk <= pq) & mask[:, pq // layout.block_size, pk // layout.block_size]
+    assert torch.equal(ref.layouts.token_mask(layout, num_heads, positions, positions), rule)
+    if callable(getattr(layout, "token_mask", None)):
+        assert torch.equal(layout.token_mask(num_heads, positions, positions), rule)
+
+
+@examples(0.5)
+@given(st.integers(1, 4), st.integers(0, 12), st.data())
+def test_layout_family_follows_the_protocol(family, num_heads, num_blocks, data):
+    check_protocol(data.draw(family.layouts(num_heads)), num_heads, num_blocks)
+
+
+@examples(0.5)
+@given(st.integers(1, 4), st.integers(0, 12), st.sampled_from(("local_strided", "block_mask")), st.data())
+def test_builtin_layouts_follow_the_protocol(num_heads, num_blocks, kind, data):
+    spec = data.draw(local_strided_layouts(num_heads) if kind == "local_strided" else block_mask_layouts())
+    check_protocol(spec.build(num_heads, max(1, num_blocks) * spec.block_size), num_heads, num_blocks)
+
+
+@pytest.mark.parametrize(
+    "layout, error, match",
+    [
+        pytest.param(object(), TypeError, "layout must be None or a layout", id="not-a-layout"),
+        pytest.param(
+            SimpleNamespace(block_size=0, block_mask=None), TypeError, "layout must be", id="no-method"
+        ),
+        pytest.param(
+            SimpleNamespace(block_size=0, block_mask=lambda h, n: None),
+            ValueError,
+            "block_size",
+            id="block_size-0",
+        ),
+        pytest.param(
+            SimpleNamespace(block_size=2, block_mask=lambda h, n: torch.ones(h, n, n)),
+            ValueError,
+            "bool tensor",
+            id="mask-not-bool",
+        ),
+        pytest.param(
+            SimpleNamespace(block_size=2, block_mask=lambda h, n: torch.ones(n, n, dtype=torch.bool)),
+            ValueError,
+            "bool tensor",
+            id="mask-rank",
+        ),
+    ],
+)
+def test_layout_block_mask_refuses_what_is_not_a_layout(layout, error, match):
+    with pytest.raises(error, match=match):
+        ref.layouts.layout_block_mask(layout, 2, 3)
+
+
+def test_layout_block_mask_is_kept_and_cut_to_corners():
+    calls = []
+
+    def block_mask(num_heads, num_blocks):
+        calls.append(num_blocks)
+        return ref.causal_block_mask(num_blocks).expand(num_heads, -1, -1)
+
+    layout = type("Causal", (), {"block_size": 4, "block_mask": staticmethod(block_mask)})()
+    first = ref.layouts.layout_block_mask(layout, 3, 5)
+    again = ref.layouts.layout_block_mask(layout, 3, 7)
+    assert calls == [8], "one call, on the grid rounded up to a power of two"
+    assert first.shape == (1, 5, 5) and again.shape == (1, 7, 7), "heads that agree are kept once"
+    assert torch.equal(again[:, :5, :5], first)

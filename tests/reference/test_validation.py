@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import reference as ref
-from harness import bad_inputs, registry
+from backends import registry
+from harness import bad_inputs
 from harness.bad_inputs import NonFinite, Rejected, View
 
 CPU = torch.device("cpu")

@@ -24,11 +24,12 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
-from harness.cases import DTYPES, LAYOUT_KINDS
-
 OPERATORS = ("write_kv", "paged_prefill", "paged_decode")
 PLANNERS = ("plan_write_kv", "plan_prefill", "plan_decode")
-ALL_DTYPES = tuple(DTYPES)
+ALL_DTYPES = ("float32", "float16", "bfloat16")
+# The layout capability vocabulary of contract §9. "block_mask" is any layout through the protocol of
+# reference/layouts.py (an outside family included): a kernel that declares it takes every block mask.
+LAYOUT_KINDS = ("dense", "local_strided", "block_mask")
 DEFAULT_BACKEND = "triton"
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -98,7 +99,7 @@ class Capabilities:
             return f"page size {case.page_size} not declared"
         if op == "write_kv":
             return None
-        kind = case.layout.kind
+        kind = case.layout.capability
         if kind not in self.layouts:
             return f"layout {kind} not declared (declares {', '.join(self.layouts)})"
         if (
@@ -142,7 +143,7 @@ class Implementation:
         return self.capabilities.refuses(case, op)
 
 
-def _own_doc(obj) -> str:
+def own_doc(obj) -> str:
     """The object's own docstring: an instance (a SimpleNamespace, say) does not inherit its class's."""
     if inspect.ismodule(obj):
         return ""
@@ -172,13 +173,13 @@ def _reference():
 
 
 def _sdpa():
-    from harness import comparison
+    from backends import comparison
 
     return comparison.SDPA, comparison.SDPA.capabilities
 
 
 def _flex():
-    from harness import comparison
+    from backends import comparison
 
     return comparison.load_flex(), comparison.FLEX_CAPABILITIES
 
@@ -197,7 +198,7 @@ def _load_file(path: pathlib.Path):
     file can import modules beside it; appended, so that this repository's own package names
     (reference, kernels, harness, ...) are never shadowed by a file of the same name there."""
     if not path.is_file():
-        raise ValueError(f"implementation file {path} does not exist")
+        raise ValueError(f"file {path} does not exist")
     if str(path.parent) not in sys.path:
         sys.path.append(str(path.parent))
     digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
@@ -209,6 +210,19 @@ def _load_file(path: pathlib.Path):
     sys.modules[module_name] = module  # before exec: dataclasses and pickling look it up
     spec.loader.exec_module(module)
     return module
+
+
+def resolve(name: str, what: str):
+    """The object a `package.module:attribute` or `path/to/file.py:attribute` name points at; ValueError
+    naming `what` (an implementation, a layout family) when the module has no such attribute."""
+    where, _, attr = name.rpartition(":")
+    if where.endswith(".py") or "/" in where or "\\" in where:
+        module = _load_file(pathlib.Path(where).expanduser().resolve())
+    else:
+        module = importlib.import_module(where)
+    if not hasattr(module, attr):
+        raise ValueError(f"{where} has no attribute {attr!r} ({what} {name!r})")
+    return getattr(module, attr)
 
 
 def load(name: str) -> Implementation:
@@ -223,16 +237,9 @@ def load(name: str) -> Implementation:
         loader, description = BUILTINS[name]
         obj, caps = loader()
     elif ":" in name:
-        where, _, attr = name.rpartition(":")
-        if where.endswith(".py") or "/" in where or "\\" in where:
-            module = _load_file(pathlib.Path(where).expanduser().resolve())
-        else:
-            module = importlib.import_module(where)
-        if not hasattr(module, attr):
-            raise ValueError(f"{where} has no attribute {attr!r} (implementation {name!r})")
-        obj = getattr(module, attr)
+        obj = resolve(name, "implementation")
         caps = getattr(obj, "capabilities", None)
-        description = _own_doc(obj).split("\n")[0]
+        description = own_doc(obj).split("\n")[0]
     else:
         raise ValueError(
             f"unknown implementation {name!r}: use a built-in name ({', '.join(BUILTINS)}), "

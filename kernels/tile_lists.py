@@ -1,0 +1,155 @@
+"""Layouts as tile lists: the one place where a layout becomes what the kernels walk (FlexAttention's
+`kv_num_blocks` / `kv_indices` and `full_kv_*`, vLLM's column CSR).
+
+A layout is any object of the protocol in reference/layouts.py; `None` is dense causal. For query
+tiles of `rows` positions (tile t holds the absolute positions t * rows .. t * rows + rows - 1) and
+key tiles of `block_n` positions, each (query tile, head) gets two ascending lists of key tiles:
+    full     tiles every position of the query tile sees whole: the whole tile lies causally at or
+             below the tile's first position, and every block pair the tiles span is allowed;
+    partial  the other tiles that some position may see (the diagonal, blocks that the rows or keys
+             straddle): the kernel masks them per element, by causality, the sequence end and the
+             layout's block mask.
+The lists depend on the layout, the heads and the tile sizes, never on the batch (positions are
+absolute), so they are built once on the device and kept with the layout; a later, shorter call reads
+a prefix of the grid. A key tile holding no allowed key is in neither list.
+"""
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from reference.layouts import causal_block_mask, kept_block_mask
+
+# Heads reduced at once when building lists: bounds the int32 temporaries [heads, tiles, blocks].
+BUILD_ELEMENTS = 2**24
+# Grid (in blocks) of the dense layout's lists when no longer call has asked for more.
+DENSE_MIN_BLOCKS = 64
+
+
+@dataclass(frozen=True)
+class TileLists:
+    """Tile lists of one layout, head count and tiling, on one device.
+
+    lists: int32 [2, num_tiles, list_heads, 1 + width]: [0] full, [1] partial; entry 0 of a row is
+        its count, entries 1 .. count its key tiles, ascending. list_heads is 1 when every head (or
+        every KV head's group, for decode) has the same lists (head stride 0 in the kernels).
+    mask: uint8 [1 or num_heads, num_blocks, num_blocks], the block mask the partial tiles read.
+    counts: int32 [2, num_tiles, list_heads] on the CPU, the lists' counts (split sizes for decode).
+    """
+
+    lists: torch.Tensor
+    mask: torch.Tensor
+    counts: torch.Tensor
+    block_size: int
+    rows: int
+    block_n: int
+
+    @property
+    def num_tiles(self) -> int:
+        return self.lists.shape[1]
+
+    def list_strides(self) -> tuple[int, int, int]:
+        """(kind, tile, head) strides of `lists`; head 0 when the heads share their lists."""
+        kind, tile, head, _ = self.lists.stride()
+        return kind, tile, head if self.lists.shape[2] > 1 else 0
+
+    def mask_head_stride(self) -> int:
+        return self.mask.stride(0) if self.mask.shape[0] > 1 else 0
+
+
+def _block_counts(mask: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sums of `mask` (int) over the index ranges lo[i] .. hi[i] (inclusive) along `dim`."""
+    sums = mask.cumsum(dim, dtype=torch.int32)
+    sums = torch.cat([torch.zeros_like(sums.narrow(dim, 0, 1)), sums], dim)
+    return sums.index_select(dim, hi + 1) - sums.index_select(dim, lo)
+
+
+def _spans(num_tiles: int, tile: int, size: int, num_blocks: int, device) -> tuple[torch.Tensor, ...]:
+    """First position, first block and last block of each tile of `tile` positions."""
+    first = torch.arange(num_tiles, device=device) * tile
+    return first, first // size, torch.clamp((first + tile - 1) // size, max=max(num_blocks - 1, 0))
+
+
+def _compact(active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of `active` (bool [..., n]), its count and its True indices, ascending, in front."""
+    counts = active.sum(-1, dtype=torch.int32)
+    slot = torch.where(active, active.cumsum(-1) - 1, active.shape[-1])  # the last column collects the rest
+    index = torch.arange(active.shape[-1], device=active.device).expand_as(active)
+    out = torch.zeros((*active.shape[:-1], active.shape[-1] + 1), dtype=torch.int64, device=active.device)
+    return counts, out.scatter_(-1, slot, index)[..., :-1].to(torch.int32)
+
+
+def build(mask: torch.Tensor, block_size: int, rows: int, block_n: int, group: int) -> TileLists:
+    """The tile lists of `mask` (bool [1 or num_heads, NB, NB], causal, on the device).
+
+    `group` > 1 builds one list per group of `group` consecutive heads (decode: the query heads of a
+    KV head), a key tile being full only when it is full for every head of the group.
+    """
+    num_blocks, device = mask.shape[1], mask.device
+    num_tiles = -(-num_blocks * block_size // rows)
+    num_keys = -(-num_blocks * block_size // block_n)
+    weights = mask.to(torch.int32)
+    if mask.shape[0] > 1 and group > 1:
+        weights = weights.view(-1, group, num_blocks, num_blocks).sum(1)
+    depth = group if mask.shape[0] > 1 else 1  # heads summed into each weight
+    q_first, qb_lo, qb_hi = _spans(num_tiles, rows, block_size, num_blocks, device)
+    k_first, kb_lo, kb_hi = _spans(num_keys, block_n, block_size, num_blocks, device)
+    area = ((qb_hi - qb_lo + 1).view(-1, 1) * (kb_hi - kb_lo + 1).view(1, -1) * depth).to(torch.int32)
+    # [num_tiles, num_keys]: the token-level causal rule between the tiles' first and last positions
+    below = (k_first + block_n - 1).view(1, -1) <= q_first.view(-1, 1)
+    visible = k_first.view(1, -1) <= (q_first + rows - 1).view(-1, 1)
+    step = max(1, BUILD_ELEMENTS // max(1, num_tiles * max(num_blocks, num_keys)))
+    chunks = []  # per chunk of heads: counts [2, heads, num_tiles] and key tiles [2, heads, num_tiles, w]
+    for h in range(0, weights.shape[0], step):
+        per_row = _block_counts(weights[h : h + step], qb_lo, qb_hi, 1)
+        counts = _block_counts(per_row, kb_lo, kb_hi, 2)  # [heads, num_tiles, num_keys]
+        full = (counts == area) & below
+        (n_full, i_full), (n_part, i_part) = _compact(full), _compact((counts > 0) & visible & ~full)
+        n = torch.stack([n_full, n_part])
+        width = max(int(n.max()) if n.numel() else 0, 1)  # a host sync per chunk, at build time only
+        chunks.append((n, torch.stack([i_full[..., :width], i_part[..., :width]])))
+    width = max(c[1].shape[-1] for c in chunks)
+    counts = torch.cat([n for n, _ in chunks], 1).transpose(1, 2)  # [2, num_tiles, heads]
+    lists = torch.zeros((*counts.shape, 1 + width), dtype=torch.int32, device=device)
+    lists[..., 0] = counts
+    padded = [torch.nn.functional.pad(i, (0, width - i.shape[-1])) for _, i in chunks]
+    lists[..., 1:] = torch.cat(padded, 1).transpose(1, 2)
+    counts = counts.cpu()
+    return TileLists(lists, mask.to(torch.uint8).contiguous(), counts, block_size, rows, block_n)
+
+
+# layout -> {(device, num_heads, rows, block_n, group): TileLists}; dense causal under `None`'s key.
+_KEPT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_DENSE: dict = {}
+
+
+def tile_lists(
+    layout, num_heads: int, max_len: int, rows: int, block_n: int, group: int, device
+) -> TileLists:
+    """The kept tile lists of `layout` (None: dense causal) covering positions 0 .. max_len - 1.
+
+    `rows`: query positions per tile (a prefill's BLOCK_M; decode passes the layout's block size);
+    `group`: heads per list (1 for prefill, the GQA group for decode). The layout is validated
+    (reference.layouts.kept_block_mask) before this is called.
+    """
+    if layout is None:
+        size, kept = block_n, _DENSE
+    else:
+        size = layout.block_size
+        try:
+            kept = _KEPT.setdefault(layout, {})
+        except TypeError:  # not weak-referenceable: built per call
+            kept = {}
+    key = (torch.device(device), num_heads, rows, block_n, group)
+    lists = kept.get(key)
+    needed = -(-max_len // size)
+    if lists is None or lists.mask.shape[1] < needed:
+        if layout is None:
+            blocks = max(DENSE_MIN_BLOCKS, 1 << max(needed - 1, 0).bit_length())
+            mask = causal_block_mask(blocks)[None]
+        else:
+            mask = kept_block_mask(layout, num_heads, needed)
+        lists = build(mask.to(device), size, rows, block_n, group if mask.shape[0] > 1 else 1)
+        kept[key] = lists
+    return lists
