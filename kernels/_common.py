@@ -202,7 +202,8 @@ def attend(
         b_seen [R] whether the row has had an allowed key).
     rows: (q_pos, m_row, p_mask_row, sparse_block): each row's position [R, 1] (or a scalar), whether
         it is a real row [R, 1], and its row of the block mask [R, 1] (the head's mask at its query
-        block); the partial tiles read the mask at p_mask_row + key block.
+        block); the partial tiles read the mask at p_mask_row + key block, unmasked ones read none
+        of these.
     kv: (p_k, p_v, p_bt, page_size, stride_page, stride_tok, stride_d, o_d, m_d, seq_len).
     Unmasked tiles are full (tile_lists.py): every row sees every key, so nothing is masked and every
     row counts as seen. MASKED tiles apply causality, the sequence end and the block mask per element

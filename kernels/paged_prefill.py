@@ -104,15 +104,16 @@ def paged_prefill_kernel(
     # Loaded rather than searched for: computing the tile's sequence in the kernel cost ~30
     # registers (and spills) in the whole program (reports/kernel_inspect.py).
     i_b = tl.load(tiles + 2 * i_t).to(tl.int64)
-    i_qt = tl.load(tiles + 2 * i_t + 1).to(tl.int64)
+    i_qt = tl.load(tiles + 2 * i_t + 1)
     q_begin = tl.load(query_start_loc + i_b)
     q_len = tl.load(query_start_loc + i_b + 1) - q_begin
     seq_len = tl.load(seq_lens + i_b)
     context = seq_len - q_len
-    # [BLOCK_M] absolute positions of the tile's rows; out and lse are [num_tokens, num_heads(, D)]
+    # [BLOCK_M] absolute positions of the tile's rows, int32 like every key position (cheaper masks);
+    # out and lse are [num_tokens, num_heads(, D)]
     o_m = i_qt * BLOCK_M + tl.arange(0, BLOCK_M)
     m_m = (o_m >= context) & (o_m < seq_len)
-    o_tok = q_begin + o_m - context
+    o_tok = (q_begin + o_m - context).to(tl.int64)
     o_d = tl.arange(0, HEAD_DIM_PAD)
     m_d = o_d < head_dim
     # Row mask of Q and out; the head-dim mask only when D is padded (vectorized access, `attend`).
@@ -144,16 +145,19 @@ def paged_prefill_kernel(
         m_d,
         seq_len,
     )
-    # [BLOCK_M, 1]: each row's block-mask row (rows outside the sequence are never read)
-    qb = tl.minimum(o_m // sparse_block, num_blocks - 1)
-    p_mask_row = block_mask + i_h * stride_mask_head + qb[:, None] * num_blocks
-    rows = (o_m[:, None], m_m[:, None], p_mask_row, sparse_block)
-    p_full = tile_lists + i_qt * stride_list_tile + i_h * stride_list_head
+    p_full = tile_lists + i_qt.to(tl.int64) * stride_list_tile + i_h * stride_list_head
     p_partial = p_full + stride_list_kind
+    # Unmasked tiles read no row mask (block_mask stands in for the mask rows, unread).
+    rows = (o_m[:, None], m_m[:, None], block_mask, sparse_block)
     state = attend(
         state, b_q, rows, kv, p_full + 1, tl.load(p_full), qk_scale, BLOCK_N, PAGE_SIZE_C, EVEN_D,
         OFFSETS_I32, False,
     )  # fmt: skip
+    # [BLOCK_M, 1]: each row's block-mask row, made only now (fewer registers live in the first loop);
+    # rows outside the sequence are never read.
+    qb = tl.minimum(o_m // sparse_block, num_blocks - 1)
+    p_mask_row = block_mask + i_h * stride_mask_head + qb[:, None] * num_blocks
+    rows = (o_m[:, None], m_m[:, None], p_mask_row, sparse_block)
     state = attend(
         state, b_q, rows, kv, p_partial + 1, tl.load(p_partial), qk_scale, BLOCK_N, PAGE_SIZE_C, EVEN_D,
         OFFSETS_I32, True,

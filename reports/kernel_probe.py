@@ -21,7 +21,6 @@ import triton
 
 import kernels
 import reference as ref
-from reference.validation import validate_paged_decode, validate_paged_prefill
 
 prefill_module = importlib.import_module("kernels.paged_prefill")
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
@@ -29,6 +28,12 @@ DTYPE = torch.bfloat16
 SCALE = 1.0 / 128
 WARMUP_MS, REP_MS = 25, 100
 REGISTER_CAPS = (168, 192)
+# Sparse prefill (BLOCK_M, BLOCK_N, num_warps, num_stages) tried beside the chosen one: the tile lists
+# make sparse and dense the same loop, so the dense configs are candidates too.
+PREFILL_SWEEP = ((64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3))
+DECODE_SWEEP = ((64, 2, 3), (64, 4, 3), (128, 4, 3), (32, 2, 3))
+common = importlib.import_module("kernels._common")
+decode_module = importlib.import_module("kernels.paged_decode")
 
 
 def bench(fn) -> float:
@@ -57,11 +62,13 @@ def prefill_row(n, queries, lay, name, previous, gen) -> dict:
     row = dict(what=f"prefill {name} {n} tokens, {queries} queries", planned=bench(lambda: plan.run(q, k, v)))
     row["op"] = bench(lambda: kernels.paged_prefill(q, k, v, t, sl, qsl, scale=SCALE, layout=lay))
     if previous is not None:
-        batch = validate_paged_prefill(q, k, v, t, sl, qsl, scale=SCALE, layout=lay)
         module = importlib.import_module("kernels_prev.paged_prefill")
-        row["previous"] = bench(lambda: module._launch(batch, q, k, v, t, sl, qsl, lay))
-        new, old = plan.run(q, k, v), module._launch(batch, q, k, v, t, sl, qsl, lay)[0]
+        old_plan = module.plan_prefill(q, k, v, t, sl, qsl, scale=SCALE, layout=lay)
+        row["previous"] = bench(lambda: old_plan.run(q, k, v))
+        new, old = plan.run(q, k, v), old_plan.run(q, k, v)
         row["max_diff_vs_previous"] = float((new.float() - old.float()).abs().max())
+    if name == "phi3" and queries in (8192, 832):
+        row |= sweep_prefill(q, k, v, t, sl, qsl, lay)
     if name == "phi3" and queries == n == 8192:
         for cap in REGISTER_CAPS:
             prefill_module.MAX_REGISTERS = cap
@@ -72,15 +79,56 @@ def prefill_row(n, queries, lay, name, previous, gen) -> dict:
     return row
 
 
+def per_row_pages(page_size: int, block_n: int) -> int:
+    """page_size_constexpr without the page-vector path: a table entry per key position."""
+    return block_n if page_size % block_n == 0 else 0
+
+
+def sweep_prefill(q, k, v, t, sl, qsl, lay) -> dict:
+    """Planned times of the sparse prefill under each PREFILL_SWEEP config, and with the block table
+    read per key position instead of per page (same process, same inputs)."""
+    row, key = {}, (False, True)
+    chosen = prefill_module.CONFIGS_GPU[key]
+    try:
+        for cfg in PREFILL_SWEEP:
+            prefill_module.CONFIGS_GPU[key] = cfg
+            plan = kernels.plan_prefill(q, k, v, t, sl, qsl, scale=SCALE, layout=lay)
+            row["planned_" + "x".join(map(str, cfg))] = bench(lambda plan=plan: plan.run(q, k, v))
+        prefill_module.CONFIGS_GPU[key] = chosen
+        pages, common.page_size_constexpr = common.page_size_constexpr, per_row_pages
+        try:
+            plan = kernels.plan_prefill(q, k, v, t, sl, qsl, scale=SCALE, layout=lay)
+            row["planned_per_row_pages"] = bench(lambda: plan.run(q, k, v))
+        finally:
+            common.page_size_constexpr = pages
+    finally:
+        prefill_module.CONFIGS_GPU[key] = chosen
+    return row
+
+
+def sweep_decode(q, k, v, t, sl, lay) -> dict:
+    """Planned decode times under each DECODE_SWEEP config (BLOCK_N, warps, stages)."""
+    row, chosen = {}, decode_module.CONFIG_GPU
+    try:
+        for cfg in DECODE_SWEEP:
+            decode_module.CONFIG_GPU = cfg
+            plan = kernels.plan_decode(q, k, v, t, sl, scale=SCALE, layout=lay)
+            row["planned_" + "x".join(map(str, cfg))] = bench(lambda plan=plan: plan.run(q, k, v))
+    finally:
+        decode_module.CONFIG_GPU = chosen
+    return row
+
+
 def decode_row(lay, name, previous, gen) -> dict:
     q, k, v, t, sl, _ = prefill_inputs(8192, 1, gen, batch=64)
     plan = kernels.plan_decode(q, k, v, t, sl, scale=SCALE, layout=lay)
     row = dict(what=f"decode {name} B64 8k", planned=bench(lambda: plan.run(q, k, v)))
     row["op"] = bench(lambda: kernels.paged_decode(q, k, v, t, sl, scale=SCALE, layout=lay))
+    row |= sweep_decode(q, k, v, t, sl, lay)
     if previous is not None:
-        batch = validate_paged_decode(q, k, v, t, sl, scale=SCALE, layout=lay)
         module = importlib.import_module("kernels_prev.paged_decode")
-        row["previous"] = bench(lambda: module._launch(batch, q, k, v, t, sl, lay))
+        old_plan = module.plan_decode(q, k, v, t, sl, scale=SCALE, layout=lay)
+        row["previous"] = bench(lambda: old_plan.run(q, k, v))
     print(row, flush=True)
     return row
 

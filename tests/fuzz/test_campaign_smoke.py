@@ -136,3 +136,55 @@ def test_stale_entry_of_a_user_ledger_outside_the_repository_fails_the_run(tmp_p
     data = summary_of(tmp_path)
     assert data["stale_ledger_entries"] == ["fixed-long-ago"]
     assert not [n for n in data["notes"] if "not replayed" in n], data["notes"]
+
+
+# A layout family in a file of its own outside the repository: one block of window, no sinks.
+OUTSIDE_FAMILY = """
+import torch
+from hypothesis import strategies as st
+
+
+class Diagonal:
+    def __init__(self, block_size):
+        self.block_size = block_size
+
+    def block_mask(self, num_heads, num_blocks):
+        return torch.eye(num_blocks, dtype=torch.bool).expand(num_heads, -1, -1)
+
+
+def family(num_heads):
+    return st.builds(Diagonal, st.sampled_from((2, 3, 4)))
+"""
+# The oracle that forgets the layout (dense causal always), declaring general block masks.
+IGNORES_LAYOUT = """
+import reference
+
+
+class impl:
+    write_kv = None
+    paged_decode = None
+    capabilities = {"dtypes": ("float32",), "layouts": ("dense", "block_mask")}
+
+    @staticmethod
+    def paged_prefill(*args, layout=None, **kwargs):
+        return reference.paged_prefill(*args, **kwargs)
+"""
+
+
+def test_campaign_draws_an_outside_family_and_replays_without_it(tmp_path, fuzz_cli):
+    (tmp_path / "diagonal.py").write_text(OUTSIDE_FAMILY)
+    (tmp_path / "ignores_layout.py").write_text(IGNORES_LAYOUT)
+    failures = tmp_path / "failures"
+    proc = fuzz_cli(
+        "--backend", "ignores_layout.py:impl", "--layout-family", "diagonal.py:family", "--workers", "1",
+        "--max-cases", "30", "--target", "prefill", "--max-failures", "1", "--failures-dir", failures,
+        "--summary", tmp_path / "summary.json", cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert summary_of(tmp_path)["layout_families"] == [f"{(tmp_path / 'diagonal.py').resolve()}:family"]
+    [saved] = failures.glob("*.json")
+    case = case_file.load(saved)["case"]
+    assert case["layout"]["kind"] == "family" and "Diagonal" in case["layout"]["words"]
+    (tmp_path / "diagonal.py").unlink()  # the case file alone replays it
+    replay = fuzz_cli("--replay", saved)
+    assert replay.returncode == 1 and "REPRODUCED" in replay.stdout, replay.stdout + replay.stderr[-2000:]

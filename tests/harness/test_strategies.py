@@ -6,13 +6,17 @@ region below is found with hypothesis's `find` (no tensors are built), and a cap
 is drawn without emptying anything else.
 """
 
+import json
+
 import pytest
+import torch
 from hypothesis import HealthCheck, Phase, find, settings
 from hypothesis.errors import NoSuchExample
 
 from backends.registry import LAYOUT_KINDS, Capabilities
-from harness.cases import DTYPES
+from harness.cases import DTYPES, AttentionCase, AttentionShape, decode_mask
 from harness.strategies import SCALE_LIMIT, attention_cases, engine_cases, scales, write_kv_cases
+from reference.layouts import layout_block_mask
 
 # Derandomized: each search is the same every run (a region found today is found every time).
 SEARCH = settings(
@@ -182,3 +186,32 @@ def test_write_kv_cases_reach(region):
 )
 def test_engine_cases_reach(region):
     reachable(engine_cases(), region)
+
+
+def test_family_cases_reach_and_replay_from_their_values(family):
+    """A family's case keeps the drawn layout as its block mask: JSON round trip, same layout."""
+    strategy = attention_cases(layout_kinds=(), families=(family,))
+    case = find(strategy, lambda c: len(set(c.seq_lens)) > 1 and c.layout.block_size > 1, settings=SEARCH)
+    assert case.layout.kind == "family" and case.layout.family == family.name
+    again = AttentionCase.from_dict(json.loads(json.dumps(case.to_dict())))
+    assert again == case
+    nb = -(-max(case.seq_lens) // case.layout.block_size)
+    built = again.layout.build(case.num_heads, max(case.seq_lens))
+    kept = layout_block_mask(built, case.num_heads, nb)
+    stored = decode_mask(case.layout.mask)
+    assert torch.equal(kept.expand(case.num_heads, -1, -1), stored.expand(case.num_heads, -1, -1))
+    assert AttentionShape.of(case).family == family.name and AttentionShape.of(case).block_size == 0
+
+
+def test_family_layouts_only_for_block_mask_capability(family):
+    with pytest.raises(ValueError, match="nothing to draw"):
+        find(
+            attention_cases(caps=Capabilities(layouts=("dense",)), layout_kinds=(), families=(family,)),
+            lambda c: True,
+            settings=SEARCH,
+        )
+    caps = Capabilities(block_sizes=(4,))
+    reachable(
+        attention_cases(caps=caps, layout_kinds=(), families=(family,)),
+        lambda c: c.layout.kind == "family" and c.layout.block_size == 4,
+    )

@@ -1,6 +1,7 @@
 """The planned path: one plan serves every layer of a step, and a stale plan is refused, never used."""
 
 import importlib
+import warnings
 
 import pytest
 import torch
@@ -144,3 +145,27 @@ def test_op_validates_once_for_repeated_calls(impl, device, op, monkeypatch):
     fn(*args, layout=inputs["layout"], return_lse=True)
     fn(*args[:3], *_fresh(args[3:]), layout=inputs["layout"], return_lse=True)
     assert len(calls) == 3, "another return_lse, or other metadata tensors: planned again"
+
+
+@pytest.mark.gpu
+@pytest.mark.ours
+@pytest.mark.parametrize("op", OPS)
+def test_public_call_syncs_once_and_a_repeated_call_never(impl, device, op):
+    """Validation reads the metadata back in one transfer; the plan copies to the device only
+    asynchronously (pinned memory); a repeated call of the same metadata runs the kept plan."""
+    fn, _, args, inputs = _call(impl, op, device)
+    fn(*args, layout=inputs["layout"])  # the layout's tile lists, built once and kept
+    fresh = _fresh(args)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn(*fresh, layout=inputs["layout"])
+            cold = len(caught)
+            fn(*fresh, layout=inputs["layout"])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    messages = [str(w.message).splitlines()[0] for w in caught]
+    assert cold <= 1, messages
+    assert len(caught) == cold, messages
