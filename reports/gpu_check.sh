@@ -11,10 +11,10 @@
 #                                             contract §5's allowances, every dtype (kernels-tests.md)
 #   bash reports/gpu_check.sh OUT_DIR campaign  campaign speed, cold and warm kernel cache, and the time
 #                                             to a planted bug's first failure (campaign-speed.md)
-#   bash reports/gpu_check.sh OUT_DIR layouts  issue 16 in one call: the layout tests and the
-#                                             operator tests on the GPU (a short profile), the
-#                                             config sweep and A/B of reports/kernel_probe.py, the
-#                                             kernel benchmark against .ab/ (carry .ab)
+#   bash reports/gpu_check.sh OUT_DIR layouts  the operator and layout tests on the GPU (a short
+#                                             profile), then the config sweep and A/B against .ab/ of
+#                                             reports/kernel_probe.py (carry .ab)
+#   bash reports/gpu_check.sh OUT_DIR kernels  the kernel benchmark alone, A/B against .ab/
 #   bash reports/gpu_check.sh OUT_DIR verdicts-rest    sharpness and false alarms on the GPU
 #                                             (sharpness.md), and an illegal memory access in the
 #                                             campaign (worker replaced), in --replay and in pytest
@@ -56,8 +56,10 @@ case $part in
     HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-smoke} step 200 tests \
       python3 -m reports.gpu_kernel_check --out "$out" -- tests/kernels tests/reference/test_layouts.py -n 4
     tail -n 25 "$out/tests.log" >> "$out/summary.txt"
-    step 150 kernel-probe python3 -m reports.kernel_probe --out "$out" --previous .ab
-    step 240 bench-kernels python3 -m reports.bench --only kernels --out "$out" --previous .ab
+    step 300 kernel-probe python3 -m reports.kernel_probe --out "$out" --previous .ab
+    ;;
+  kernels)
+    step 480 bench-kernels python3 -m reports.bench --only kernels --out "$out" --previous .ab
     ;;
   verdicts-rest)
     step 200 sharpness python3 -m reports.sharpness --device cuda --cases "${SHARPNESS_CASES:-40}" --out "$out"
@@ -98,7 +100,7 @@ case $part in
       first-failure-replay="$out/first-failure-replay.json" > /dev/null
     grep -h "worker(s) on\|done in\|summary:" "$out"/campaign-*.log "$out"/first-failure-*.log >> "$out/summary.txt"
     ;;
-  *) echo "unknown part $part (suite, bench, layouts, verdicts-tests, verdicts-rest or campaign)"; exit 2 ;;
+  *) echo "unknown part $part (suite, bench, layouts, kernels, verdicts-tests, verdicts-rest or campaign)"; exit 2 ;;
 esac
 cat "$out/summary.txt"
 # The device tool returns at most eight files per call: everything also goes back as one archive.
