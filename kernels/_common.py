@@ -62,8 +62,8 @@ def ceil_to(a: int, b: int) -> int:
 
 def page_size_constexpr(page_size: int, block_n: int) -> int:
     """The PAGE_SIZE_C kernel argument (see `kv_row_offsets`): block_n when whole pages hold every
-    tile, page_size when it is a power of two below block_n (a tile spans whole pages; at most
-    log2(block_n) compiled variants), else 0."""
+    tile, page_size when it is a power of two below block_n (a shift and a mask per position; at
+    most log2(block_n) compiled variants), else 0."""
     if page_size % block_n == 0:
         return block_n
     if page_size < block_n and page_size & (page_size - 1) == 0:
@@ -126,8 +126,10 @@ def list_kwargs(lists) -> dict:
         stride_list_head=stride_head,
         block_mask=lists.mask,
         stride_mask_head=lists.mask_head_stride(),
+        tile_bits=lists.lists if lists.bits is None else lists.bits,  # unread without bits
         num_blocks=lists.mask.shape[1],
         sparse_block=lists.block_size,
+        LAYOUT_MASK=lists.mask_mode,
     )
 
 
@@ -136,35 +138,33 @@ def kv_row_offsets(
     p_bt, n, seq_len, page_size, stride_page, stride_tok, BLOCK_N, PAGE_SIZE_C, OFFSETS_I32, MASKED
 ):
     """Cache offsets of the key positions n .. n + BLOCK_N - 1 (n a multiple of BLOCK_N), read
-    through a block-table row; the table is read once per page the tile spans.
+    through a block-table row.
 
-    PAGE_SIZE_C (`page_size_constexpr`): BLOCK_N when whole pages hold the tile (one table entry), a
-    power of two below BLOCK_N when the tile spans BLOCK_N // PAGE_SIZE_C whole pages (one entry
-    each), 0 otherwise (an entry per position, the general case). With MASKED, entries of positions
-    past the sequence (seq_len) are never read. OFFSETS_I32: the host proved every offset of the
-    cache fits in int32; otherwise page ids are widened to int64 before the multiply.
+    PAGE_SIZE_C (`page_size_constexpr`): BLOCK_N when whole pages hold the tile (one table entry per
+    tile); a power of two below BLOCK_N, the page size, so that each position's entry is found by a
+    shift and a mask; 0 otherwise (a runtime division). Positions of one page read the same entry,
+    which the hardware serves as one access. (Reading BLOCK_N // PAGE_SIZE_C entries as a vector and
+    flattening [pages, PAGE_SIZE_C] offsets with tl.reshape took 1.28 ms against 0.70 at Phi-3 8k on
+    the H200: the reshape costs a layout conversion per tile; reports/gpu/kernel-ab.md.) With
+    MASKED, entries of positions past the sequence (seq_len) are never read. OFFSETS_I32: the host
+    proved every offset of the cache fits in int32; otherwise page ids are widened to int64 first.
     """
     o_n = n + tl.arange(0, BLOCK_N)
+    # Every branch ends in page and i_row (no early return: the compiler would go on past it).
     if PAGE_SIZE_C == BLOCK_N:
         page = tl.load(p_bt + n // page_size)
         i_row = (n % page_size) + tl.arange(0, BLOCK_N)
-    elif PAGE_SIZE_C != 0:
-        # [BLOCK_N // PAGE_SIZE_C] page ids, then [pages, PAGE_SIZE_C] rows flattened in order
-        o_p = n // PAGE_SIZE_C + tl.arange(0, BLOCK_N // PAGE_SIZE_C)
-        if MASKED:
-            page = tl.load(p_bt + o_p, mask=o_p * PAGE_SIZE_C < seq_len, other=0)
-        else:
-            page = tl.load(p_bt + o_p)
-        if not OFFSETS_I32:
-            page = page.to(tl.int64)
-        o_row = page[:, None] * stride_page + tl.arange(0, PAGE_SIZE_C)[None, :] * stride_tok
-        return tl.reshape(o_row, [BLOCK_N])
     else:
-        i_row = o_n % page_size
-        if MASKED:
-            page = tl.load(p_bt + o_n // page_size, mask=o_n < seq_len, other=0)
+        if PAGE_SIZE_C != 0:
+            i_page = o_n // PAGE_SIZE_C
+            i_row = o_n % PAGE_SIZE_C
         else:
-            page = tl.load(p_bt + o_n // page_size)
+            i_page = o_n // page_size
+            i_row = o_n % page_size
+        if MASKED:
+            page = tl.load(p_bt + i_page, mask=o_n < seq_len, other=0)
+        else:
+            page = tl.load(p_bt + i_page)
     if OFFSETS_I32:
         return page * stride_page + i_row * stride_tok
     else:
@@ -194,29 +194,37 @@ def attend(
     PAGE_SIZE_C: tl.constexpr,
     EVEN_D: tl.constexpr,
     OFFSETS_I32: tl.constexpr,
+    LAYOUT_MASK: tl.constexpr,
     MASKED: tl.constexpr,
 ):
     """Online softmax over the `count` key tiles listed at p_tiles; returns the new state.
 
     state: (b_m [R] running max in raw q.k units, b_l [R] running sum, b_acc [R, HEAD_DIM_PAD],
         b_seen [R] whether the row has had an allowed key).
-    rows: (q_pos, m_row, p_mask_row, sparse_block): each row's position [R, 1] (or a scalar), whether
-        it is a real row [R, 1], and its row of the block mask [R, 1] (the head's mask at its query
-        block); the partial tiles read the mask at p_mask_row + key block, unmasked ones read none
-        of these.
+    rows: (q_pos, m_row, p_layout, layout_key): each row's position [R, 1] (or a scalar), whether it
+        is a real row [R, 1], and how the partial tiles read the layout (LAYOUT_MASK, the MASK_* modes
+        of kernels/tile_lists.py): ELEMENTS and ROWS, p_layout is each row's row of the block mask
+        [R, 1] (the head's mask at its query block) and layout_key the sparse block size, the mask
+        read at p_layout + key block per element or per row; BITS, p_layout points at the bits
+        beside p_tiles and layout_key is each row's bit [R, 1]; NONE reads nothing. Unmasked tiles
+        read none of these.
     kv: (p_k, p_v, p_bt, page_size, stride_page, stride_tok, stride_d, o_d, m_d, seq_len).
     Unmasked tiles are full (tile_lists.py): every row sees every key, so nothing is masked and every
-    row counts as seen. MASKED tiles apply causality, the sequence end and the block mask per element
+    row counts as seen. MASKED tiles apply causality, the sequence end and the layout per element
     (scores -inf, never zero).
     NaN rule: a non-finite score (a NaN or Inf query or key) becomes NaN, so that it reaches exactly
     the rows that see it through their weights; in masked tiles a non-finite V is zeroed and its key's
     score made NaN instead, since 0 * NaN in the weighted sum would reach rows that do not see it.
     """
     b_m, b_l, b_acc, b_seen = state
-    q_pos, m_row, p_mask_row, sparse_block = rows
+    q_pos, m_row, p_layout, layout_key = rows
     p_k, p_v, p_bt, page_size, stride_page, stride_tok, stride_d, o_d, m_d, seq_len = kv
+    # The next tile's start is loaded an iteration ahead, off the K/V address path (H200, Phi-3 8k
+    # prefill: 0.633 ms against 0.668 loading it in its own iteration; reports/gpu/kernel-ab.md).
+    i_next = tl.load(p_tiles, mask=count > 0, other=0)
     for i in range(0, count):
-        n = tl.load(p_tiles + i) * BLOCK_N
+        n = i_next * BLOCK_N
+        i_next = tl.load(p_tiles + i + 1, mask=i + 1 < count, other=0)
         # [BLOCK_N]
         o_n = n + tl.arange(0, BLOCK_N)
         m_k = o_n < seq_len
@@ -248,7 +256,12 @@ def attend(
         b_s = b_s + b_s * 0.0
         if MASKED:
             m_s = (o_n[None, :] <= q_pos) & m_k[None, :] & m_row
-            m_s = m_s & (tl.load(p_mask_row + o_n[None, :] // sparse_block, mask=m_s, other=0) != 0)
+            if LAYOUT_MASK == 0:  # MASK_ELEMENTS
+                m_s = m_s & (tl.load(p_layout + o_n[None, :] // layout_key, mask=m_s, other=0) != 0)
+            elif LAYOUT_MASK == 1:  # MASK_ROWS
+                m_s = m_s & (tl.load(p_layout + n // layout_key, mask=m_row, other=0) != 0)
+            elif LAYOUT_MASK == 2:  # MASK_BITS
+                m_s = m_s & (((tl.load(p_layout + i) >> layout_key) & 1) != 0)
             # [BLOCK_N]: keys whose V holds NaN or Inf; zeroed, and seen as a NaN score instead.
             m_v_bad = tl.max(((b_v != b_v) | (tl.abs(b_v) == float("inf"))).to(tl.int32), 1) > 0
             b_v = tl.where(m_v_bad[:, None], 0.0, b_v)

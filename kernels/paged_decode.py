@@ -65,8 +65,9 @@ def _num_splits(batch, num_keys: int, block_n: int, device: torch.device) -> int
 # Grid: (sequence, KV head, split). Rows of the tile are the GQA group of query heads sharing the KV
 # head (padded to BLOCK_G >= 16 for tl.dot). The lists of kernels/tile_lists.py, per (query block,
 # KV head), hold the key tiles some head of the group may see: full ones (every head sees them whole)
-# first, then partial ones; split s covers entries [s * split_len, (s+1) * split_len) of the two
-# together, the full part unmasked and the partial part masked per element.
+# and partial ones. Splits 0 .. full_splits - 1 cover entries [s * split_len, (s+1) * split_len) of
+# the full list, unmasked; the others the same spans of the partial list, masked (per head by the
+# entries' bits when the lists have them).
 @triton.jit(do_not_specialize=NOT_SPECIALIZED)
 def paged_decode_split_kernel(
     q,
@@ -87,7 +88,9 @@ def paged_decode_split_kernel(
     block_tables,
     seq_lens,
     split_len,
+    full_splits,
     tile_lists,
+    tile_bits,
     block_mask,
     stride_bt,
     stride_list_kind,
@@ -106,6 +109,7 @@ def paged_decode_split_kernel(
     PAGE_SIZE_C: tl.constexpr,
     SCORES_F64: tl.constexpr,
     OFFSETS_I32: tl.constexpr,
+    LAYOUT_MASK: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
     i_kvh = tl.program_id(1).to(tl.int64)
@@ -151,22 +155,31 @@ def paged_decode_split_kernel(
     rows = (q_pos, m_g[:, None], p_mask_row, sparse_block)
     p_full = tile_lists + qb * stride_list_tile + i_kvh * stride_list_head
     p_partial = p_full + stride_list_kind
-    num_full = tl.load(p_full)
-    # This split's entries [lo, hi) of the full list followed by the partial one.
-    lo = i_s * split_len
-    hi = lo + split_len
-    full_lo = tl.minimum(lo, num_full)
-    full_hi = tl.minimum(hi, num_full)
-    part_lo = tl.maximum(lo - num_full, 0)
-    part_hi = tl.minimum(tl.maximum(hi - num_full, 0), tl.load(p_partial))
-    state = attend(
-        state, b_q, rows, kv, p_full + 1 + full_lo, full_hi - full_lo, qk_scale, BLOCK_N, PAGE_SIZE_C,
-        EVEN_D, OFFSETS_I32, False,
-    )  # fmt: skip
-    state = attend(
-        state, b_q, rows, kv, p_partial + 1 + part_lo, tl.maximum(part_hi - part_lo, 0), qk_scale, BLOCK_N,
-        PAGE_SIZE_C, EVEN_D, OFFSETS_I32, True,
-    )  # fmt: skip
+    # Splits [0, full_splits) walk the full list, the others the partial one: one loop a program
+    # (two short loops a program cost a second pipeline start: reports/gpu/kernel-ab.md).
+    if i_s < full_splits:
+        lo = i_s * split_len
+        num = tl.minimum(tl.load(p_full) - lo, split_len)
+        state = attend(
+            state, b_q, rows, kv, p_full + 1 + lo, num, qk_scale, BLOCK_N, PAGE_SIZE_C, EVEN_D, OFFSETS_I32,
+            LAYOUT_MASK, False,
+        )  # fmt: skip
+    else:
+        lo = (i_s - full_splits) * split_len
+        num = tl.minimum(tl.load(p_partial) - lo, split_len)
+        if LAYOUT_MASK == 2:  # MASK_BITS: each entry's bit g says whether head g of the group sees it
+            p_bits = tile_bits + qb * stride_list_tile + i_kvh * stride_list_head + 1 + lo
+            # A tuple of its own: a branch may not give `rows` other types (Triton's typed if).
+            bit_rows = (q_pos, m_g[:, None], p_bits, o_g[:, None])
+            state = attend(
+                state, b_q, bit_rows, kv, p_partial + 1 + lo, num, qk_scale, BLOCK_N, PAGE_SIZE_C, EVEN_D,
+                OFFSETS_I32, LAYOUT_MASK, True,
+            )  # fmt: skip
+        else:
+            state = attend(
+                state, b_q, rows, kv, p_partial + 1 + lo, num, qk_scale, BLOCK_N, PAGE_SIZE_C, EVEN_D,
+                OFFSETS_I32, LAYOUT_MASK, True,
+            )  # fmt: skip
 
     # part_*: [num_seqs, num_heads, num_splits(, HEAD_DIM_PAD)]
     b_m, b_l, b_acc, b_seen = state
@@ -255,11 +268,15 @@ class DecodePlan:
         lists = tile_lists.tile_lists(
             layout, batch.num_heads, max(batch.seq_lens), rows, block_n, group, device
         )
-        # The longest list any sequence walks, from the lists' host-side counts (no device read).
-        counts = lists.counts.sum(0)  # [num_tiles, list_heads]
+        # The longest lists any sequence walks, from the lists' host-side counts (no device read):
+        # [2, num_seqs, list_heads], full and partial.
         blocks = torch.tensor([(n - 1) // lists.block_size for n in batch.seq_lens])
-        num_tiles = max(int(counts[blocks].max()), 1)
-        self.num_splits = _num_splits(batch, num_tiles * block_n, block_n, device)
+        longest = lists.counts[:, blocks].amax(dim=(1, 2)).tolist()
+        num_tiles = max(sum(longest), 1)
+        wanted = _num_splits(batch, num_tiles * block_n, block_n, device)
+        split_len = cdiv(num_tiles, wanted)
+        full_splits = cdiv(longest[0], split_len)
+        self.num_splits = full_splits + max(cdiv(longest[1], split_len), 1)
         block_g = max(MIN_DOT, triton.next_power_of_2(group))
         # The split kernel's scratch, [num_seqs, num_heads, num_splits(, HEAD_DIM_PAD)], written whole by
         # every run. Raw-score maxima keep its precision (float64 scores for float32 inputs).
@@ -276,7 +293,8 @@ class DecodePlan:
             zip(("part_m", "part_l", "part_acc", "part_seen"), self.parts, strict=True),
             block_tables=block_tables.contiguous(),
             seq_lens=seq_lens.contiguous(),
-            split_len=cdiv(num_tiles, self.num_splits),
+            split_len=split_len,
+            full_splits=full_splits,
             stride_bt=block_tables.contiguous().stride(0),
             **list_kwargs(lists),
             **shared_launch_kwargs(batch, k_cache, block_n),

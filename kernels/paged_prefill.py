@@ -32,10 +32,11 @@ from reference.validation import PlanGuard, validate_paged_prefill
 CONFIG_INTERPRETER = (64, 64, 4, 1)
 CONFIG_FP32 = (32, 32, 4, 2)  # float64 scores (FMA units, float64 registers): small tiles
 # 16-bit inputs on the GPU, dense causal or not, by whether the padded head dim exceeds LARGE_D.
-# Chosen from the same-process sweep of reports/kernel_probe.py on the H200 (docs/kernels-notes.md).
+# Chosen from the same-process sweep of reports/kernel_probe.py on the H200 (docs/kernels-notes.md;
+# with tile lists, dense D 128 at 8k: 64x64x4x2 1.59 ms, 128x128x8x3 1.94).
 CONFIGS_GPU = {
     (True, False): (128, 64, 4, 3),
-    (True, True): (128, 128, 8, 3),
+    (True, True): (64, 64, 4, 2),
     (False, False): (64, 64, 4, 2),
     (False, True): (64, 64, 4, 2),
 }
@@ -78,6 +79,7 @@ def paged_prefill_kernel(
     query_start_loc,
     tiles,
     tile_lists,
+    tile_bits,
     block_mask,
     stride_bt,
     stride_list_kind,
@@ -96,6 +98,7 @@ def paged_prefill_kernel(
     PAGE_SIZE_C: tl.constexpr,
     SCORES_F64: tl.constexpr,
     OFFSETS_I32: tl.constexpr,
+    LAYOUT_MASK: tl.constexpr,
 ):
     # Reversed: a sequence's last query tiles see the most keys; they start first.
     i_t = (tl.num_programs(0) - 1 - tl.program_id(0)).to(tl.int64)
@@ -151,7 +154,7 @@ def paged_prefill_kernel(
     rows = (o_m[:, None], m_m[:, None], block_mask, sparse_block)
     state = attend(
         state, b_q, rows, kv, p_full + 1, tl.load(p_full), qk_scale, BLOCK_N, PAGE_SIZE_C, EVEN_D,
-        OFFSETS_I32, False,
+        OFFSETS_I32, LAYOUT_MASK, False,
     )  # fmt: skip
     # [BLOCK_M, 1]: each row's block-mask row, made only now (fewer registers live in the first loop);
     # rows outside the sequence are never read.
@@ -160,7 +163,7 @@ def paged_prefill_kernel(
     rows = (o_m[:, None], m_m[:, None], p_mask_row, sparse_block)
     state = attend(
         state, b_q, rows, kv, p_partial + 1, tl.load(p_partial), qk_scale, BLOCK_N, PAGE_SIZE_C, EVEN_D,
-        OFFSETS_I32, True,
+        OFFSETS_I32, LAYOUT_MASK, True,
     )  # fmt: skip
 
     b_out, b_lse = finalize(state, qk_scale)

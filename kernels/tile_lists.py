@@ -25,6 +25,13 @@ from reference.layouts import causal_block_mask, kept_block_mask
 BUILD_ELEMENTS = 2**24
 # Grid (in blocks) of the dense layout's lists when no longer call has asked for more.
 DENSE_MIN_BLOCKS = 64
+# How a partial tile learns which of its elements the layout allows (the kernels' LAYOUT_MASK):
+MASK_ELEMENTS = 0  # the block mask per element (a key tile spans several blocks)
+MASK_ROWS = 1  # the block mask per row (a key tile lies in one block; the rows' blocks or heads differ)
+MASK_BITS = 2  # per row from the entry's bit of each head of the group (decode, one key block a tile)
+MASK_NONE = 3  # the layout allows every element of a listed tile (query and key tile in one block each)
+# The most heads one list's bits can tell apart (int32 entries).
+MAX_BITS = 32
 
 
 @dataclass(frozen=True)
@@ -34,16 +41,21 @@ class TileLists:
     lists: int32 [2, num_tiles, list_heads, 1 + width]: [0] full, [1] partial; entry 0 of a row is
         its count, entries 1 .. count its key tiles, ascending. list_heads is 1 when every head (or
         every KV head's group, for decode) has the same lists (head stride 0 in the kernels).
+    bits: int32 shaped like lists[1] (MASK_BITS), bit g of a partial entry set when head g of the
+        list's group sees its tile; else None.
     mask: uint8 [1 or num_heads, num_blocks, num_blocks], the block mask the partial tiles read.
     counts: int32 [2, num_tiles, list_heads] on the CPU, the lists' counts (split sizes for decode).
+    mask_mode: one of the MASK_* modes above.
     """
 
     lists: torch.Tensor
+    bits: torch.Tensor | None
     mask: torch.Tensor
     counts: torch.Tensor
     block_size: int
     rows: int
     block_n: int
+    mask_mode: int
 
     @property
     def num_tiles(self) -> int:
@@ -56,6 +68,17 @@ class TileLists:
 
     def mask_head_stride(self) -> int:
         return self.mask.stride(0) if self.mask.shape[0] > 1 else 0
+
+
+def mask_mode(block_size: int, rows: int, block_n: int, group: int, shared: bool) -> int:
+    """The MASK_* mode of lists of these tiles: the cheapest that is exact."""
+    if block_size % block_n:
+        return MASK_ELEMENTS
+    if block_size % rows == 0 and (group == 1 or shared):
+        return MASK_NONE
+    if 1 < group <= MAX_BITS and not shared and rows == block_size:
+        return MASK_BITS
+    return MASK_ROWS
 
 
 def _block_counts(mask: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, dim: int) -> torch.Tensor:
@@ -89,34 +112,46 @@ def build(mask: torch.Tensor, block_size: int, rows: int, block_n: int, group: i
     num_blocks, device = mask.shape[1], mask.device
     num_tiles = -(-num_blocks * block_size // rows)
     num_keys = -(-num_blocks * block_size // block_n)
-    weights = mask.to(torch.int32)
-    if mask.shape[0] > 1 and group > 1:
-        weights = weights.view(-1, group, num_blocks, num_blocks).sum(1)
-    depth = group if mask.shape[0] > 1 else 1  # heads summed into each weight
+    shared = mask.shape[0] == 1
+    depth = 1 if shared else group  # mask heads per list
+    mode = mask_mode(block_size, rows, block_n, group, shared)
     q_first, qb_lo, qb_hi = _spans(num_tiles, rows, block_size, num_blocks, device)
     k_first, kb_lo, kb_hi = _spans(num_keys, block_n, block_size, num_blocks, device)
     area = ((qb_hi - qb_lo + 1).view(-1, 1) * (kb_hi - kb_lo + 1).view(1, -1) * depth).to(torch.int32)
     # [num_tiles, num_keys]: the token-level causal rule between the tiles' first and last positions
     below = (k_first + block_n - 1).view(1, -1) <= q_first.view(-1, 1)
     visible = k_first.view(1, -1) <= (q_first + rows - 1).view(-1, 1)
-    step = max(1, BUILD_ELEMENTS // max(1, num_tiles * max(num_blocks, num_keys)))
-    chunks = []  # per chunk of heads: counts [2, heads, num_tiles] and key tiles [2, heads, num_tiles, w]
-    for h in range(0, weights.shape[0], step):
-        per_row = _block_counts(weights[h : h + step], qb_lo, qb_hi, 1)
-        counts = _block_counts(per_row, kb_lo, kb_hi, 2)  # [heads, num_tiles, num_keys]
+    shifts = torch.arange(depth, device=device).view(1, -1, 1, 1)
+    step = max(1, BUILD_ELEMENTS // max(1, depth * num_tiles * max(num_blocks, num_keys)))
+    # Per chunk of lists: counts [2, lists, num_tiles]; key tiles (and bits) [2 or 3, lists, num_tiles, w]
+    chunks = []
+    for h in range(0, mask.shape[0] // depth, step):
+        heads = mask[h * depth : (h + step) * depth].to(torch.int32)
+        per_row = _block_counts(heads, qb_lo, qb_hi, 1)
+        each = _block_counts(per_row, kb_lo, kb_hi, 2).view(-1, depth, num_tiles, num_keys)
+        counts = each.sum(1)  # [lists, num_tiles, num_keys]
         full = (counts == area) & below
         (n_full, i_full), (n_part, i_part) = _compact(full), _compact((counts > 0) & visible & ~full)
         n = torch.stack([n_full, n_part])
         width = max(int(n.max()) if n.numel() else 0, 1)  # a host sync per chunk, at build time only
-        chunks.append((n, torch.stack([i_full[..., :width], i_part[..., :width]])))
+        parts = [i_full[..., :width], i_part[..., :width]]
+        if mode == MASK_BITS:
+            seen = ((each > 0).to(torch.int64) << shifts).sum(1).to(torch.int32)
+            parts.append(torch.gather(seen, -1, i_part[..., :width].long()))
+        chunks.append((n, torch.stack(parts)))
     width = max(c[1].shape[-1] for c in chunks)
-    counts = torch.cat([n for n, _ in chunks], 1).transpose(1, 2)  # [2, num_tiles, heads]
+    counts = torch.cat([n for n, _ in chunks], 1).transpose(1, 2)  # [2, num_tiles, lists]
+    entries = torch.cat([torch.nn.functional.pad(i, (0, width - i.shape[-1])) for _, i in chunks], 1)
+    entries = entries.transpose(1, 2)  # [2 or 3, num_tiles, lists, width]
     lists = torch.zeros((*counts.shape, 1 + width), dtype=torch.int32, device=device)
     lists[..., 0] = counts
-    padded = [torch.nn.functional.pad(i, (0, width - i.shape[-1])) for _, i in chunks]
-    lists[..., 1:] = torch.cat(padded, 1).transpose(1, 2)
-    counts = counts.cpu()
-    return TileLists(lists, mask.to(torch.uint8).contiguous(), counts, block_size, rows, block_n)
+    lists[..., 1:] = entries[:2]
+    bits = None
+    if mode == MASK_BITS:
+        bits = torch.zeros_like(lists[1])
+        bits[..., 1:] = entries[2]
+    mask = mask.to(torch.uint8).contiguous()
+    return TileLists(lists, bits, mask, counts.cpu(), block_size, rows, block_n, mode)
 
 
 # layout -> {(device, num_heads, rows, block_n, group): TileLists}; dense causal under `None`'s key.
@@ -134,7 +169,8 @@ def tile_lists(
     (reference.layouts.kept_block_mask) before this is called.
     """
     if layout is None:
-        size, kept = block_n, _DENSE
+        # Any block size says dense causal; one that holds whole query and key tiles needs no mask.
+        size, kept = max(rows, block_n), _DENSE
     else:
         size = layout.block_size
         try:
@@ -150,6 +186,6 @@ def tile_lists(
             mask = causal_block_mask(blocks)[None]
         else:
             mask = kept_block_mask(layout, num_heads, needed)
-        lists = build(mask.to(device), size, rows, block_n, group if mask.shape[0] > 1 else 1)
+        lists = build(mask.to(device), size, rows, block_n, group)
         kept[key] = lists
     return lists

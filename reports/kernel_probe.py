@@ -32,6 +32,7 @@ REGISTER_CAPS = (168, 192)
 # make sparse and dense the same loop, so the dense configs are candidates too.
 PREFILL_SWEEP = ((64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3))
 DECODE_SWEEP = ((64, 2, 3), (64, 4, 3), (128, 4, 3), (32, 2, 3))
+DENSE_SWEEP = ((128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 2))
 common = importlib.import_module("kernels._common")
 decode_module = importlib.import_module("kernels.paged_decode")
 
@@ -67,7 +68,7 @@ def prefill_row(n, queries, lay, name, previous, gen) -> dict:
         row["previous"] = bench(lambda: old_plan.run(q, k, v))
         new, old = plan.run(q, k, v), old_plan.run(q, k, v)
         row["max_diff_vs_previous"] = float((new.float() - old.float()).abs().max())
-    if name == "phi3" and queries in (8192, 832):
+    if queries in (8192, 832):
         row |= sweep_prefill(q, k, v, t, sl, qsl, lay)
     if name == "phi3" and queries == n == 8192:
         for cap in REGISTER_CAPS:
@@ -79,26 +80,26 @@ def prefill_row(n, queries, lay, name, previous, gen) -> dict:
     return row
 
 
-def per_row_pages(page_size: int, block_n: int) -> int:
-    """page_size_constexpr without the page-vector path: a table entry per key position."""
+def runtime_page_size(page_size: int, block_n: int) -> int:
+    """page_size_constexpr with the page size left to a runtime division (no shift-and-mask variant)."""
     return block_n if page_size % block_n == 0 else 0
 
 
 def sweep_prefill(q, k, v, t, sl, qsl, lay) -> dict:
-    """Planned times of the sparse prefill under each PREFILL_SWEEP config, and with the block table
-    read per key position instead of per page (same process, same inputs)."""
-    row, key = {}, (False, True)
-    chosen = prefill_module.CONFIGS_GPU[key]
+    """Planned times of the prefill (sparse or dense) under each config of its sweep, and with the page
+    size a runtime division (same process, same inputs)."""
+    key = (lay is None, True)
+    row, chosen = {}, prefill_module.CONFIGS_GPU[key]
     try:
-        for cfg in PREFILL_SWEEP:
+        for cfg in PREFILL_SWEEP if lay is not None else DENSE_SWEEP:
             prefill_module.CONFIGS_GPU[key] = cfg
             plan = kernels.plan_prefill(q, k, v, t, sl, qsl, scale=SCALE, layout=lay)
             row["planned_" + "x".join(map(str, cfg))] = bench(lambda plan=plan: plan.run(q, k, v))
         prefill_module.CONFIGS_GPU[key] = chosen
-        pages, common.page_size_constexpr = common.page_size_constexpr, per_row_pages
+        pages, common.page_size_constexpr = common.page_size_constexpr, runtime_page_size
         try:
             plan = kernels.plan_prefill(q, k, v, t, sl, qsl, scale=SCALE, layout=lay)
-            row["planned_per_row_pages"] = bench(lambda: plan.run(q, k, v))
+            row["planned_runtime_page_size"] = bench(lambda: plan.run(q, k, v))
         finally:
             common.page_size_constexpr = pages
     finally:

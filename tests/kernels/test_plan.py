@@ -21,6 +21,7 @@ CASE = AttentionCase(
     layout=LayoutSpec(kind="local_strided", block_size=16, local_blocks=2, vert_stride=3),
 )
 OPS = {"prefill": False, "decode": True}
+SYNC_WARNING = "called a synchronizing CUDA operation"
 
 
 def _call(impl, op: str, device):
@@ -166,6 +167,8 @@ def test_public_call_syncs_once_and_a_repeated_call_never(impl, device, op):
             fn(*fresh, layout=inputs["layout"])
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    messages = [str(w.message).splitlines()[0] for w in caught]
-    assert cold <= 1, messages
-    assert len(caught) == cold, messages
+    # The mode also warns, once, that it is a prototype: only its "called a synchronizing" lines count.
+    syncs = [str(w.message).splitlines()[0] for w in caught if SYNC_WARNING in str(w.message)]
+    cold = sum(SYNC_WARNING in str(w.message) for w in caught[:cold])
+    assert cold <= 1, syncs
+    assert len(syncs) == cold, syncs

@@ -2,16 +2,21 @@
 key tile is full exactly when every position of the query tile sees every key of it, and partial
 exactly when some position sees some key but not all see all."""
 
+import importlib
+
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 import reference as ref
-from kernels.tile_lists import build
+from harness.cases import AttentionCase, LayoutSpec
+from kernels.tile_lists import MASK_ROWS, build, tile_lists
 from tests.budgets import examples
 
-pytestmark = pytest.mark.ours
+paged_prefill_module = importlib.import_module("kernels.paged_prefill")
+
+pytestmark = [pytest.mark.ours, pytest.mark.operator("paged_prefill")]
 
 
 def brute_force(mask: torch.Tensor, size: int, rows: int, block_n: int, group: int) -> dict:
@@ -62,3 +67,25 @@ def test_tile_lists_match_positions(heads, num_blocks, size, rows, block_n, dens
             row = got.lists[kind, t, hl]
             assert row[1 : 1 + row[0]].tolist() == expected, (kind, t, hl)
             assert got.counts[kind, t, hl] == len(expected)
+
+
+@pytest.mark.parametrize("block_size", [32, 96])
+def test_prefill_reads_the_mask_per_row_when_query_tiles_straddle_blocks(run_case, monkeypatch, block_size):
+    """MASK_ROWS: key tiles of 32 inside one block, query tiles of 64 over two (a GPU config's
+    shape, forced on the interpreter), judged against the oracle."""
+    for name in ("CONFIG_INTERPRETER", "CONFIG_FP32"):  # the float32 case's config, CPU and GPU
+        monkeypatch.setattr(paged_prefill_module, name, (64, 32, 4, 1))
+    case = AttentionCase(
+        seed=5,
+        seq_lens=(200, 77),
+        query_lens=(150, 77),
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        page_size=16,
+        dtype="float32",
+        layout=LayoutSpec("block_mask", block_size, density=0.5, mask_seed=3),
+    )
+    lists = tile_lists(case.layout.build(4, 200), 4, 200, 64, 32, 1, "cpu")
+    assert lists.mask_mode == MASK_ROWS
+    run_case(case, decode=False)
