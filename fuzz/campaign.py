@@ -64,14 +64,6 @@ def gpu_memory_bytes(index: int) -> int:
     return torch.cuda.get_device_properties(index).total_memory
 
 
-def family_name(name: str) -> str:
-    """A layout family's name with its file made absolute (the workers and the summary read it)."""
-    where, _, attr = name.rpartition(":")
-    if where.endswith(".py"):
-        return f"{pathlib.Path(where).expanduser().resolve()}:{attr}"
-    return name
-
-
 def plan_workers(requested: int | None, cores: int | None = None, gpus=None) -> tuple[int, list[dict]]:
     """(worker count, per-worker environment).
 
@@ -128,7 +120,8 @@ def run(args) -> int:
         _say(f"fuzz: cannot load implementation {args.backend!r}: {type(exc).__name__}: {exc}")
         return NOTHING_TO_FUZZ
     try:
-        families = [layout_families.load(family_name(n)) for n in args.layout_family or ()]
+        family_names = [backend_names.canonical(n) for n in args.layout_family or ()]
+        families = [layout_families.load(backend_names.loadable(n)) for n in family_names]
     except Exception as exc:  # noqa: BLE001  (whatever the family's module raises on import)
         _say(f"fuzz: cannot load layout family: {type(exc).__name__}: {exc}")
         return NOTHING_TO_FUZZ
@@ -155,7 +148,7 @@ def run(args) -> int:
         backend=name,
         targets=list(active),
         dtypes=args.dtype or (),
-        layout_families=[f.name for f in families],
+        layout_families=family_names,
         seed=args.seed,
         end_time=None if budget is None else start + budget,
         max_shrinks=args.max_shrinks,
@@ -276,7 +269,7 @@ def finish(args, name: str, tally: summary.Tally, elapsed: float, workers: int) 
         "backend": name,
         "targets": args.target,
         "dtypes": list(args.dtype or ()),
-        "layout_families": [family_name(n) for n in args.layout_family or ()],
+        "layout_families": [backend_names.canonical(n) for n in args.layout_family or ()],
         "workers": workers,
         "seed": args.seed,
         "shard": None if args.shard is None else list(args.shard),

@@ -113,7 +113,9 @@ class Worker:
                 self.send("unavailable", name, f"cannot load {self.name}: {type(exc).__name__}: {exc}")
             self.send("done")
             return
-        families = [layout_families.load(n) for n in self.cfg.get("layout_families", ())]
+        families = [
+            layout_families.load(backend_names.loadable(n)) for n in self.cfg.get("layout_families", ())
+        ]
         plan, unavailable = targets.plan(
             self.impl, self.cfg["targets"], self.cfg.get("dtypes") or (), families
         )

@@ -288,14 +288,16 @@ class DecodePlan:
             torch.empty((*part_shape, head_dim_pad), dtype=torch.float32, device=device),
             torch.empty(part_shape, dtype=torch.int8, device=device),
         )
+        # The kernel reads the block table as contiguous rows (a no-op when it already is).
+        table = block_tables.contiguous()
         self.grid = (batch.num_seqs, batch.num_kv_heads, self.num_splits)
         self.launch = dict(
             zip(("part_m", "part_l", "part_acc", "part_seen"), self.parts, strict=True),
-            block_tables=block_tables.contiguous(),
+            block_tables=table,
             seq_lens=seq_lens.contiguous(),
             split_len=split_len,
             full_splits=full_splits,
-            stride_bt=block_tables.contiguous().stride(0),
+            stride_bt=table.stride(0),
             **list_kwargs(lists),
             **shared_launch_kwargs(batch, k_cache, block_n),
             BLOCK_G=block_g,

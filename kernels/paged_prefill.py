@@ -217,13 +217,15 @@ class PrefillPlan:
         tiles = torch.tensor(tiles, dtype=torch.int32)
         if device.type == "cuda":
             tiles = tiles.pin_memory()
+        # The kernel reads the block table as contiguous rows (a no-op when it already is).
+        table = block_tables.contiguous()
         # Everything but q and the caches, fixed at planning: a run passes three tensors.
         self.launch = dict(
-            block_tables=block_tables.contiguous(),
+            block_tables=table,
             seq_lens=seq_lens.contiguous(),
             query_start_loc=query_start_loc.contiguous(),
             tiles=tiles.to(device, non_blocking=True),
-            stride_bt=block_tables.contiguous().stride(0),
+            stride_bt=table.stride(0),
             **list_kwargs(lists),
             **shared_launch_kwargs(batch, k_cache, block_n),
             BLOCK_M=block_m,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from reference.layouts import causal_block_mask, kept_block_mask
+from reference.layouts import causal_block_mask, kept_block_mask, kept_with
 
 # Heads reduced at once when building lists: bounds the int32 temporaries [heads, tiles, blocks].
 BUILD_ELEMENTS = 2**24
@@ -53,13 +53,7 @@ class TileLists:
     mask: torch.Tensor
     counts: torch.Tensor
     block_size: int
-    rows: int
-    block_n: int
     mask_mode: int
-
-    @property
-    def num_tiles(self) -> int:
-        return self.lists.shape[1]
 
     def list_strides(self) -> tuple[int, int, int]:
         """(kind, tile, head) strides of `lists`; head 0 when the heads share their lists."""
@@ -151,7 +145,7 @@ def build(mask: torch.Tensor, block_size: int, rows: int, block_n: int, group: i
         bits = torch.zeros_like(lists[1])
         bits[..., 1:] = entries[2]
     mask = mask.to(torch.uint8).contiguous()
-    return TileLists(lists, bits, mask, counts.cpu(), block_size, rows, block_n, mode)
+    return TileLists(lists, bits, mask, counts.cpu(), block_size, mode)
 
 
 # layout -> {(device, num_heads, rows, block_n, group): TileLists}; dense causal under `None`'s key.
@@ -172,11 +166,7 @@ def tile_lists(
         # Any block size says dense causal; one that holds whole query and key tiles needs no mask.
         size, kept = max(rows, block_n), _DENSE
     else:
-        size = layout.block_size
-        try:
-            kept = _KEPT.setdefault(layout, {})
-        except TypeError:  # not weak-referenceable: built per call
-            kept = {}
+        size, kept = layout.block_size, kept_with(_KEPT, layout)
     key = (torch.device(device), num_heads, rows, block_n, group)
     lists = kept.get(key)
     needed = -(-max_len // size)

@@ -151,9 +151,6 @@ class BlockMaskLayout:
     def num_blocks(self) -> int:
         return self.mask.shape[1]
 
-    def _per_head(self, num_heads: int) -> torch.Tensor:
-        return self._per_head_of(self.mask, num_heads)
-
     def block_mask(self, num_heads: int, num_blocks: int) -> torch.Tensor:
         """Dense block mask, causal rule included. Returns: bool [num_heads, num_blocks, num_blocks]
         (an expanded view when one mask serves every head)."""
@@ -162,9 +159,10 @@ class BlockMaskLayout:
         if num_blocks > self.num_blocks:
             raise ValueError(f"num_blocks ({num_blocks}) exceeds the layout's {self.num_blocks} blocks")
         mask = self.mask[:, :num_blocks, :num_blocks] & causal_block_mask(num_blocks)
-        return self._per_head_of(mask, num_heads)
+        return self._per_head(mask, num_heads)
 
-    def _per_head_of(self, mask: torch.Tensor, num_heads: int) -> torch.Tensor:
+    @staticmethod
+    def _per_head(mask: torch.Tensor, num_heads: int) -> torch.Tensor:
         if mask.shape[0] not in (1, num_heads):
             raise ValueError(f"layout has {mask.shape[0]} heads, expected 1 or {num_heads}")
         return mask.expand(num_heads, -1, -1)
@@ -181,7 +179,7 @@ class BlockMaskLayout:
             )
         causal = k_pos.view(1, -1) <= q_pos.view(-1, 1)
         qb, kb = q_pos // self.block_size, k_pos // self.block_size
-        mask = self._per_head(num_heads)[:, qb][:, :, kb]
+        mask = self._per_head(self.mask, num_heads)[:, qb][:, :, kb]
         return causal & mask
 
 
@@ -213,8 +211,9 @@ def random_block_mask(num_heads: int, num_blocks: int, density: float, seed: int
     return keep & causal_block_mask(num_blocks)
 
 
-def _check_protocol(layout) -> int:
-    """The layout's block size; TypeError naming `layout` when it is not a layout (module docstring)."""
+def check_layout(layout) -> int:
+    """The layout's block size; TypeError naming `layout` when it is not a layout (module docstring),
+    ValueError when its block size is below 1."""
     size = getattr(layout, "block_size", None)
     if (
         not callable(getattr(layout, "block_mask", None))
@@ -246,6 +245,15 @@ def _checked_mask(layout, num_heads: int, num_blocks: int) -> torch.Tensor:
     return (mask & causal_block_mask(num_blocks)).contiguous()
 
 
+def kept_with(store: "weakref.WeakKeyDictionary", layout) -> dict:
+    """What `store` keeps for `layout` while the layout lives (a dict); a fresh one, kept nowhere, for a
+    layout that cannot be weakly referenced."""
+    try:
+        return store.setdefault(layout, {})
+    except TypeError:
+        return {}
+
+
 # layout -> {num_heads: validated mask [1 or num_heads, cap, cap]}, cap >= every grid asked so far.
 _MASKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -259,13 +267,10 @@ def kept_block_mask(layout, num_heads: int, num_blocks: int) -> torch.Tensor:
     not cover `num_blocks` blocks. The mask is computed once per layout and number of heads, on a grid
     rounded up to a power of two (when the layout covers it); smaller grids are its corners.
     """
-    _check_protocol(layout)
+    check_layout(layout)
     check_int("num_heads", num_heads, 1)
     check_int("num_blocks", num_blocks, 0)
-    try:
-        kept = _MASKS.setdefault(layout, {})
-    except TypeError:  # not weak-referenceable: computed per call
-        kept = {}
+    kept = kept_with(_MASKS, layout)
     mask = kept.get(num_heads)
     if mask is None or mask.shape[1] < num_blocks:
         wanted = 1 << max(num_blocks - 1, 0).bit_length()
@@ -291,7 +296,7 @@ def token_mask(layout, num_heads: int, q_pos: torch.Tensor, k_pos: torch.Tensor)
     causal = k_pos.view(1, -1) <= q_pos.view(-1, 1)
     if layout is None:
         return causal.expand(num_heads, -1, -1)
-    size = _check_protocol(layout)
+    size = check_layout(layout)
     if callable(getattr(layout, "token_mask", None)):
         return layout.token_mask(num_heads, q_pos, k_pos)
     top = max([int(p.max()) for p in (q_pos, k_pos) if p.numel()], default=0)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from reference.layouts import layout_block_mask
+from reference.layouts import check_layout, layout_block_mask
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -92,8 +92,7 @@ def _check_layout(layout, num_heads: int, seq_lens: list[int]) -> None:
     is computed once per layout and kept, so a repeated call costs a lookup."""
     if layout is None:
         return
-    size = getattr(layout, "block_size", 1)
-    needed = math.ceil(max(seq_lens, default=0) / size) if isinstance(size, int) and size >= 1 else 0
+    needed = math.ceil(max(seq_lens, default=0) / check_layout(layout))
     layout_block_mask(layout, num_heads, needed)
 
 
