@@ -41,6 +41,57 @@ def positive_scale(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
     return q, scale * LOG2E.value
 
 
+def contiguous_strides(shape) -> tuple[int, ...]:
+    """The strides torch gives a contiguous tensor of `shape`."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+class RunInputs:
+    """How a plan hands q and the caches to its kernel, fixed at planning (the plan guards their
+    shapes and strides): q negated when scale < 0 (`positive_scale`), the caches copied to contiguous
+    ones when k's and v's strides differ (the kernel takes one set). `kwargs` holds the kernel's
+    stride and qk_scale arguments, so that a run passes tensors only.
+    """
+
+    def __init__(self, q, k_cache, v_cache, scale: float, return_lse: bool):
+        q_in, qk_scale = positive_scale(q, scale)
+        self.negate = scale < 0
+        self.copy_caches = k_cache.stride() != v_cache.stride()
+        cache_strides = contiguous_strides(k_cache.shape) if self.copy_caches else k_cache.stride()
+        self.qk_scale = qk_scale
+        # Allocation arguments of the outputs, resolved once (each attribute read costs ~1 µs a run).
+        self.out_args = (tuple(q.shape), q.dtype, q.device)
+        # Without return_lse the kernels' lse goes to scratch of the plan's own, written by every run
+        # and never read: one allocation less a run (~5 µs of host time on the H200's host).
+        self.lse_scratch = (
+            None if return_lse else torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        )
+        self.kwargs = dict(
+            zip(("stride_qt", "stride_qh", "stride_qd"), q_in.stride(), strict=True),
+            **dict(zip(("stride_page", "stride_tok", "stride_kvh", "stride_d"), cache_strides, strict=True)),
+            qk_scale=qk_scale,
+        )
+
+    def outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fresh out [num_tokens, num_heads, head_dim] (q's dtype) and lse [num_tokens, num_heads]
+        float32 (the scratch without return_lse)."""
+        shape, dtype, device = self.out_args
+        out = torch.empty(shape, dtype=dtype, device=device)
+        if self.lse_scratch is not None:
+            return out, self.lse_scratch
+        return out, torch.empty(shape[:2], dtype=torch.float32, device=device)
+
+    def __call__(self, q, k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q, k_cache, v_cache) as the kernel reads them."""
+        if self.copy_caches:
+            k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+        return (-q if self.negate else q), k_cache, v_cache
+
+
 def scores_in_float64(dtype: torch.dtype) -> bool:
     """float32 inputs get float64 scores q.k: float32 rounding of large scores would otherwise match
     the float32 oracle's own error, with no margin under contract §5's max gate."""
@@ -91,6 +142,61 @@ class LastPlan:
             # The plan's guard holds the metadata tensors and self.layout the layout: their ids stay theirs.
             self.key, self.last, self.layout = key, last, layout
         return last.run(q, k_cache, v_cache)
+
+
+class BoundLaunch:
+    """One kernel launch of a plan: the grid and the planned arguments bound once, the per-run tensors
+    (the kernel's first parameters) passed by position at each call; `device` is the plan's.
+
+    On the GPU a call reuses the compiled kernel of an earlier call whose tensors Triton would
+    specialize alike (dtype and 16-byte alignment, on the same current device) and launches it
+    itself, as `JITFunction.run` would after binding the arguments: that binding took 30-45 µs of a
+    launch on the H200 (reports/gpu/kernel-ab.md). Any other call, and every call under the
+    interpreter, goes through `kernel[grid]`, which compiles what it must. Triton's launch hooks
+    (profilers) still see every launch.
+    """
+
+    def __init__(self, kernel, grid, device: torch.device, **planned):
+        self.kernel, self.grid, self.planned = kernel, grid, planned
+        names = kernel.arg_names
+        self.num_per_run = sum(1 for name in names if name not in planned)
+        # Per-run parameters first, then the planned ones, which keep their parameter order.
+        if any(name in planned for name in names[: self.num_per_run]):
+            raise TypeError("BoundLaunch: the kernel's per-run parameters must come before the planned ones")
+        self.tail = [planned[name] for name in names[self.num_per_run :]]
+        self.grid3 = (*grid, 1, 1)[:3]  # the compiled kernel's launcher takes three dims
+        self.compiled = {}
+        self.direct = device.type == "cuda" and not interpreted()
+
+    def __call__(self, *tensors: torch.Tensor) -> None:
+        if len(tensors) != self.num_per_run:
+            raise TypeError(f"BoundLaunch: {self.num_per_run} per-run tensors expected, got {len(tensors)}")
+        if not self.direct:
+            self.kernel[self.grid](*tensors, **self.planned)
+            return
+        device = torch.cuda.current_device()
+        key = (device, *((t.dtype, t.data_ptr() % 16 == 0) for t in tensors))
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            self.compiled[key] = self.kernel[self.grid](*tensors, **self.planned)
+            return
+        hooks = triton.knobs.runtime
+        enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
+        if enter.calls or leave.calls:
+            compiled[self.grid3](*tensors, *self.tail)
+            return
+        stream = triton.runtime.driver.active.get_current_stream(device)
+        compiled.run(
+            *self.grid3,
+            stream,
+            compiled.function,
+            compiled.packed_metadata,
+            None,
+            None,
+            None,
+            *tensors,
+            *self.tail,
+        )
 
 
 INT32_MAX = 2**31 - 1
@@ -211,10 +317,13 @@ def attend(
     kv: (p_k, p_v, p_bt, page_size, stride_page, stride_tok, stride_d, o_d, m_d, seq_len).
     Unmasked tiles are full (tile_lists.py): every row sees every key, so nothing is masked and every
     row counts as seen. MASKED tiles apply causality, the sequence end and the layout per element
-    (scores -inf, never zero).
+    (scores -inf, never zero). BITS serves decode lists, where each row is a head at the sequence's
+    last position: a row sees every key of the tile up to the sequence end or none of it.
     NaN rule: a non-finite score (a NaN or Inf query or key) becomes NaN, so that it reaches exactly
     the rows that see it through their weights; in masked tiles a non-finite V is zeroed and its key's
-    score made NaN instead, since 0 * NaN in the weighted sum would reach rows that do not see it.
+    score made NaN instead, since 0 * NaN in the weighted sum would reach rows that do not see it
+    (with BITS, the rows that do not see the tile drop its weighted sum instead: keys past the
+    sequence end load as 0).
     """
     b_m, b_l, b_acc, b_seen = state
     q_pos, m_row, p_layout, layout_key = rows
@@ -260,12 +369,15 @@ def attend(
                 m_s = m_s & (tl.load(p_layout + o_n[None, :] // layout_key, mask=m_s, other=0) != 0)
             elif LAYOUT_MASK == 1:  # MASK_ROWS
                 m_s = m_s & (tl.load(p_layout + n // layout_key, mask=m_row, other=0) != 0)
-            elif LAYOUT_MASK == 2:  # MASK_BITS
-                m_s = m_s & (((tl.load(p_layout + i) >> layout_key) & 1) != 0)
-            # [BLOCK_N]: keys whose V holds NaN or Inf; zeroed, and seen as a NaN score instead.
-            m_v_bad = tl.max(((b_v != b_v) | (tl.abs(b_v) == float("inf"))).to(tl.int32), 1) > 0
-            b_v = tl.where(m_v_bad[:, None], 0.0, b_v)
-            b_s = tl.where(m_v_bad[None, :], float("nan"), b_s)
+            if LAYOUT_MASK == 2:  # MASK_BITS
+                # [R, 1]: whether the row sees the tile at all.
+                m_sees = m_row & (((tl.load(p_layout + i) >> layout_key) & 1) != 0)
+                m_s = m_s & m_sees
+            else:
+                # [BLOCK_N]: keys whose V holds NaN or Inf; zeroed, and seen as a NaN score instead.
+                m_v_bad = tl.max(((b_v != b_v) | (tl.abs(b_v) == float("inf"))).to(tl.int32), 1) > 0
+                b_v = tl.where(m_v_bad[:, None], 0.0, b_v)
+                b_s = tl.where(m_v_bad[None, :], float("nan"), b_s)
             b_s = tl.where(m_s, b_s, NEG_INF)
             b_seen = b_seen | (tl.max(m_s.to(tl.int32), 1) > 0)
         else:
@@ -283,7 +395,12 @@ def attend(
             # (-inf) * 0 is NaN when scale == 0: masked weights are set, not computed.
             b_p = tl.where(m_s, b_p, 0.0)
         b_l = b_l * b_alpha + tl.sum(b_p, 1)
-        b_acc = b_acc * b_alpha[:, None] + _dot(b_p.to(b_v.dtype), b_v)
+        b_pv = _dot(b_p.to(b_v.dtype), b_v)
+        if MASKED and LAYOUT_MASK == 2:
+            # A row sees all of the tile's keys or none (below), so the V of a row that does not see it
+            # is kept out here, row by row, rather than scanned for NaN and Inf element by element.
+            b_pv = tl.where(m_sees, b_pv, 0.0)
+        b_acc = b_acc * b_alpha[:, None] + b_pv
         b_m = b_m_new
     return b_m, b_l, b_acc, b_seen
 

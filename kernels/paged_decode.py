@@ -18,14 +18,16 @@ from kernels import tile_lists
 from kernels._common import (
     FINITE_MIN,
     MIN_DOT,
+    BoundLaunch,
     LastPlan,
+    RunInputs,
     attend,
     cdiv,
+    contiguous_strides,
     finalize,
     interpreted,
     list_kwargs,
     padded_head_dim,
-    positive_scale,
     scores_in_float64,
     shared_launch_kwargs,
 )
@@ -73,7 +75,7 @@ def paged_decode_split_kernel(
     q,
     k_cache,
     v_cache,
-    stride_qb,
+    stride_qt,
     stride_qh,
     stride_qd,
     stride_page,
@@ -126,7 +128,7 @@ def paged_decode_split_kernel(
     m_d = o_d < head_dim
 
     # [BLOCK_G, HEAD_DIM_PAD]
-    p_q = q + i_b * stride_qb + o_h[:, None] * stride_qh + o_d[None, :] * stride_qd
+    p_q = q + i_b * stride_qt + o_h[:, None] * stride_qh + o_d[None, :] * stride_qd
     b_q = tl.load(p_q, mask=m_g[:, None] & m_d[None, :], other=0.0)
     if SCORES_F64:
         b_q = b_q.to(tl.float64)
@@ -194,19 +196,19 @@ def paged_decode_split_kernel(
 # Grid: (sequence, query head). Combines the splits' (max, sum, accumulator) into out and lse.
 @triton.jit(do_not_specialize=["num_splits", "head_dim"])
 def paged_decode_reduce_kernel(
-    part_m,
-    part_l,
-    part_acc,
-    part_seen,
     out,
     lse,
-    num_splits,
     qk_scale,
     stride_ob,
     stride_oh,
     stride_od,
     stride_lb,
     stride_lh,
+    part_m,
+    part_l,
+    part_acc,
+    part_seen,
+    num_splits,
     head_dim,
     HEAD_DIM_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
@@ -257,6 +259,7 @@ class DecodePlan:
             dict(q=q, k_cache=k_cache, v_cache=v_cache), dict(block_tables=block_tables, seq_lens=seq_lens)
         )
         self.return_lse = return_lse
+        self.inputs = RunInputs(q, k_cache, v_cache, batch.scale, return_lse)
         if batch.num_seqs == 0:
             return
         device = q.device
@@ -282,17 +285,21 @@ class DecodePlan:
         # every run. Raw-score maxima keep its precision (float64 scores for float32 inputs).
         part_shape = (batch.num_seqs, batch.num_heads, self.num_splits)
         max_dtype = torch.float64 if scores_in_float64(q.dtype) else torch.float32
-        self.parts = (
-            torch.empty(part_shape, dtype=max_dtype, device=device),
-            torch.empty(part_shape, dtype=torch.float32, device=device),
-            torch.empty((*part_shape, head_dim_pad), dtype=torch.float32, device=device),
-            torch.empty(part_shape, dtype=torch.int8, device=device),
+        parts = dict(
+            part_m=torch.empty(part_shape, dtype=max_dtype, device=device),
+            part_l=torch.empty(part_shape, dtype=torch.float32, device=device),
+            part_acc=torch.empty((*part_shape, head_dim_pad), dtype=torch.float32, device=device),
+            part_seen=torch.empty(part_shape, dtype=torch.int8, device=device),
         )
         # The kernel reads the block table as contiguous rows (a no-op when it already is).
         table = block_tables.contiguous()
         self.grid = (batch.num_seqs, batch.num_kv_heads, self.num_splits)
-        self.launch = dict(
-            zip(("part_m", "part_l", "part_acc", "part_seen"), self.parts, strict=True),
+        self.launch = BoundLaunch(
+            paged_decode_split_kernel,
+            self.grid,
+            device,
+            **self.inputs.kwargs,
+            **parts,
             block_tables=table,
             seq_lens=seq_lens.contiguous(),
             split_len=split_len,
@@ -305,7 +312,15 @@ class DecodePlan:
             num_warps=num_warps,
             num_stages=num_stages,
         )
-        self.reduce = dict(
+        self.reduce = BoundLaunch(
+            paged_decode_reduce_kernel,
+            (batch.num_seqs, batch.num_heads),
+            device,
+            qk_scale=self.inputs.qk_scale,
+            **dict(zip(("stride_ob", "stride_oh", "stride_od"), contiguous_strides(q.shape), strict=True)),
+            **dict(zip(("stride_lb", "stride_lh"), contiguous_strides(q.shape[:2]), strict=True)),
+            **parts,
+            num_splits=self.num_splits,
             head_dim=batch.head_dim,
             HEAD_DIM_PAD=head_dim_pad,
             SPLITS_PAD=triton.next_power_of_2(self.num_splits),
@@ -315,19 +330,10 @@ class DecodePlan:
     def run(self, q, k_cache, v_cache):
         """out [num_seqs, num_heads, head_dim] in q's dtype; with return_lse also lse float32."""
         self.guard.check(q=q, k_cache=k_cache, v_cache=v_cache)
-        out = torch.empty_like(q)
-        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        out, lse = self.inputs.outputs()
         if self.batch.num_seqs:
-            if k_cache.stride() != v_cache.stride():
-                k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
-            q_in, qk_scale = positive_scale(q, self.batch.scale)
-            # Per-run arguments by position (the kernel lists them first), the planned ones by name.
-            paged_decode_split_kernel[self.grid](
-                q_in, k_cache, v_cache, *q_in.stride(), *k_cache.stride(), qk_scale, **self.launch
-            )
-            paged_decode_reduce_kernel[(self.batch.num_seqs, self.batch.num_heads)](
-                *self.parts, out, lse, self.num_splits, qk_scale, *out.stride(), *lse.stride(), **self.reduce
-            )
+            self.launch(*self.inputs(q, k_cache, v_cache))
+            self.reduce(out, lse)
         return (out, lse) if self.return_lse else out
 
 

@@ -17,13 +17,14 @@ import triton.language as tl
 from kernels import tile_lists
 from kernels._common import (
     FINITE_MIN,
+    BoundLaunch,
     LastPlan,
+    RunInputs,
     attend,
     finalize,
     interpreted,
     list_kwargs,
     padded_head_dim,
-    positive_scale,
     shared_launch_kwargs,
 )
 from reference.validation import PlanGuard, validate_paged_prefill
@@ -202,6 +203,7 @@ class PrefillPlan:
             dict(block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc),
         )
         self.return_lse = return_lse
+        self.inputs = RunInputs(q, k_cache, v_cache, batch.scale, return_lse)
         device = q.device
         block_m, block_n, num_warps, num_stages = _config(
             q.dtype, padded_head_dim(batch.head_dim), layout is None
@@ -219,8 +221,12 @@ class PrefillPlan:
             tiles = tiles.pin_memory()
         # The kernel reads the block table as contiguous rows (a no-op when it already is).
         table = block_tables.contiguous()
-        # Everything but q and the caches, fixed at planning: a run passes three tensors.
-        self.launch = dict(
+        # Everything but q, out, lse and the caches, fixed at planning.
+        self.launch = BoundLaunch(
+            paged_prefill_kernel,
+            self.grid,
+            device,
+            **self.inputs.kwargs,
             block_tables=table,
             seq_lens=seq_lens.contiguous(),
             query_start_loc=query_start_loc.contiguous(),
@@ -238,16 +244,10 @@ class PrefillPlan:
     def run(self, q, k_cache, v_cache):
         """out [num_tokens, num_heads, head_dim] in q's dtype; with return_lse also lse float32."""
         self.guard.check(q=q, k_cache=k_cache, v_cache=v_cache)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        out, lse = self.inputs.outputs()
         if self.grid[0]:
-            if k_cache.stride() != v_cache.stride():
-                k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
-            q_in, qk_scale = positive_scale(q, self.batch.scale)
-            # Per-run arguments by position (the kernel lists them first), the planned ones by name.
-            paged_prefill_kernel[self.grid](
-                q_in, out, lse, k_cache, v_cache, *q_in.stride(), *k_cache.stride(), qk_scale, **self.launch
-            )
+            q_in, k_in, v_in = self.inputs(q, k_cache, v_cache)
+            self.launch(q_in, out, lse, k_in, v_in)
         return (out, lse) if self.return_lse else out
 
 

@@ -260,7 +260,9 @@ class PlanGuard:
         for name, t in tensors.items():
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if _signature(t) != self.signatures[name]:
+            shape, stride, dtype, device = self.signatures[name]
+            # Field by field rather than `_signature(t) != ...`: this runs on every planned launch.
+            if t.shape != shape or t.stride() != stride or t.dtype != dtype or t.device != device:
                 planned = _describe(self.signatures[name])
                 raise ValueError(f"{name} {_describe(_signature(t))} does not match the plan's {planned}")
         for name, (t, version) in self.metadata.items():

@@ -15,6 +15,10 @@
 #                                             profile), then the config sweep and A/B against .ab/ of
 #                                             reports/kernel_probe.py (carry .ab)
 #   bash reports/gpu_check.sh OUT_DIR kernels  the kernel benchmark alone, A/B against .ab/
+#   bash reports/gpu_check.sh OUT_DIR probe    reports/kernel_probe.py (A/B against .ab/, carry .ab),
+#                                             the planned-path and decode tests, and the direct launch
+#                                             deliberately broken (keyed without pointer alignment):
+#                                             its test must fail
 #   bash reports/gpu_check.sh OUT_DIR verdicts-rest    sharpness and false alarms on the GPU
 #                                             (sharpness.md), and an illegal memory access in the
 #                                             campaign (worker replaced), in --replay and in pytest
@@ -58,6 +62,18 @@ case $part in
     tail -n 25 "$out/tests.log" >> "$out/summary.txt"
     step 300 kernel-probe python3 -m reports.kernel_probe --out "$out" --previous .ab
     ;;
+  probe)
+    step 330 kernel-probe python3 -m reports.kernel_probe --out "$out" --previous .ab --only "${PROBE_PARTS:-enqueue,decode,prefill}"
+    HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-smoke} step 240 tests python3 -m reports.gpu_kernel_check \
+      --out "$out" -- ${PROBE_TESTS:-tests/kernels/test_plan.py tests/kernels/test_paged_decode.py tests/kernels/test_paged_prefill.py} -n 4
+    tail -n 25 "$out/tests.log" >> "$out/summary.txt"
+    broken=/tmp/broken-launch
+    rm -rf "$broken" && mkdir -p "$broken" && tar --exclude=./.ab -cf - . | tar -xf - -C "$broken"
+    sed -i 's/(t.dtype, t.data_ptr() % 16 == 0)/(t.dtype,)/' "$broken/kernels/_common.py"
+    grep -q "(t.dtype,) for t in tensors" "$broken/kernels/_common.py" || echo "broken-launch: the edit did not apply" >> "$out/summary.txt"
+    (cd "$broken" && step 60 broken-launch python3 -m pytest tests/kernels/test_plan.py -k any_address -q -p no:cacheprovider)
+    tail -n 5 "$out/broken-launch.log" >> "$out/summary.txt"
+    ;;
   kernels)
     step 480 bench-kernels python3 -m reports.bench --only kernels --out "$out" --previous .ab
     ;;
@@ -100,7 +116,7 @@ case $part in
       first-failure-replay="$out/first-failure-replay.json" > /dev/null
     grep -h "worker(s) on\|done in\|summary:" "$out"/campaign-*.log "$out"/first-failure-*.log >> "$out/summary.txt"
     ;;
-  *) echo "unknown part $part (suite, bench, layouts, kernels, verdicts-tests, verdicts-rest or campaign)"; exit 2 ;;
+  *) echo "unknown part $part (suite, bench, layouts, kernels, probe, verdicts-tests, verdicts-rest or campaign)"; exit 2 ;;
 esac
 cat "$out/summary.txt"
 # The device tool returns at most eight files per call: everything also goes back as one archive.

@@ -15,10 +15,10 @@ from harness.stats_log import record
 
 @pytest.fixture
 def run_case(impl, device, expect, in_flight):
-    def run(case, *, decode: bool, single: bool = False, check_without_lse: bool = False):
+    def run(case, *, decode: bool, single: bool = False, check_without_lse: bool = False, inputs=None):
         with in_flight("decode" if decode else "prefill", case):
             verdict = judge_attention(
-                impl, case, decode=decode, device=device, check_without_lse=check_without_lse
+                impl, case, decode=decode, device=device, inputs=inputs, check_without_lse=check_without_lse
             )
         record("paged_decode" if decode else "paged_prefill", case, verdict)
         expect(verdict, single=single)

@@ -1,12 +1,15 @@
 """`paged_decode` of the implementation under test against the float64 oracle (contract §5, out and lse)."""
 
+import math
+
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import reference as ref
 from harness import bad_inputs
-from harness.cases import AttentionCase, LayoutSpec
+from harness.cases import AttentionCase, LayoutSpec, build_inputs
 from harness.strategies import attention_cases
 from tests.kernels import test_paged_prefill
 
@@ -114,6 +117,23 @@ def test_paged_decode_non_contiguous(run_entry, entry):
 )
 def test_paged_decode_non_finite(run_entry, entry):
     run_entry("paged_decode", entry)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "neg-inf"])
+def test_paged_decode_non_finite_v_seen_by_one_head_of_its_group(run_case, device, value):
+    """A NaN or Inf in V at a key block that one head of a GQA group sees and the other does not: the
+    group's key tile is partial, each head reading its own bit of the decode lists
+    (kernels/tile_lists.py), and only the head that sees the value turns NaN (contract §4)."""
+    case = _case((200, 150), LayoutSpec("block_mask", 64), heads=(2, 1), head_dim=32)
+    inputs = build_inputs(case, device)
+    mask = ref.causal_block_mask(4).repeat(2, 1, 1)
+    mask[1, 2:, 1] = False  # head 1 does not see block 1 from the queries' blocks (2 and 3)
+    inputs["layout"] = ref.BlockMaskLayout(mask, 64)
+    position = 70  # in block 1 of both sequences
+    for b in range(2):
+        page = inputs["block_tables"][b, position // case.page_size]
+        inputs["v_cache"][page, position % case.page_size, 0, 5] = value
+    run_case(case, decode=True, single=True, inputs=inputs)
 
 
 # GPU only: Phi-3-small decode (32 query heads, 8 KV heads, D 128) at 8k context, sparse and dense.
