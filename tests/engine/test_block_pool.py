@@ -7,7 +7,7 @@ same scheduler (tests/engine/test_engine.py) can run on either one.
 import hashlib
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
 
@@ -188,8 +188,27 @@ def test_block_pool_hash_is_chained_and_salted():
     assert block_pool.engine_seed_hash(0) != block_pool.engine_seed_hash(1)
 
 
+@given(
+    tokens=st.lists(st.integers(0, 2**63 - 1), max_size=60),
+    size=st.integers(1, 8),
+    cut=st.integers(0, 60),
+    salt=st.one_of(st.none(), st.text(max_size=3)),
+)
+def test_page_keys_are_the_chain_of_hash_page(tokens, size, cut, salt):
+    """The batched page keys, built in two steps as a sequence grows, equal hash_page page by page."""
+    pool = BlockPool(num_pages=1, page_size=size)
+    seq = Sequence(0, tokens[:cut], SamplingParams(), cache_salt=salt)
+    pool.page_keys(seq)
+    seq.token_ids.extend(tokens[cut:])
+    want, parent = [], pool.seed_hash
+    for i in range(len(tokens) // size):
+        parent = block_pool.hash_page(parent, tokens[i * size : (i + 1) * size], (salt,) if i == 0 else ())
+        want.append(parent)
+    assert pool.page_keys(seq) == want
+
+
 def test_block_pool_collision_caught_by_token_check(monkeypatch):
-    monkeypatch.setattr(block_pool, "hash_page", lambda parent, tokens, extra: b"\0" * 32)
+    monkeypatch.setattr(block_pool, "page_digest", lambda parent, encoded: b"\0" * 32)
     pool = BlockPool(num_pages=8, page_size=2)
     a = Sequence(0, [1, 1, 5], SamplingParams())
     a.block_table = pool.allocate([], 2)
@@ -247,8 +266,8 @@ def test_block_pool_collision_with_another_parent_is_caught(monkeypatch):
     # Imported here: test_engine imports ModelPool from this module.
     from tests.engine.test_engine import assert_equivalent, make_llm, run_stream
 
-    honest = block_pool.hash_page
-    monkeypatch.setattr(block_pool, "hash_page", lambda parent, tokens, extra: honest(b"", tokens, extra))
+    honest = block_pool.page_digest
+    monkeypatch.setattr(block_pool, "page_digest", lambda parent, encoded: honest(b"", encoded))
     pool = BlockPool(num_pages=8, page_size=2)
     ab = computed(pool, 0, [1, 1, 2, 2, 5])
     db = computed(pool, 1, [3, 3, 2, 2, 5])
