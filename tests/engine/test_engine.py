@@ -192,7 +192,7 @@ def test_generate_cache_salt_never_shares():
 
 def test_generate_forced_hash_collision(monkeypatch):
     """Every page hashes alike: the token check rejects the false hits and outputs stay correct."""
-    monkeypatch.setattr(block_pool, "hash_page", lambda parent, tokens, extra: b"\x5a" * 32)
+    monkeypatch.setattr(block_pool, "page_digest", lambda parent, encoded: b"\x5a" * 32)
     prompts = [[5] * 40, [5] * 56, [6] * 16 + [5] * 30, PREAMBLE]
     stream = EngineStream(tuple(EngineRequest(tuple(p), 3, None, 40) for p in prompts), 8, 64, 512, 4)
     llm = make_llm(stream)
