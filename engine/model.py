@@ -109,13 +109,19 @@ class ModelArgs:
         return [None if layout is None else shared for layout in layouts]
 
 
-def rotary(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
-    """Rotate-half RoPE. x: [num_tokens, num_heads, head_dim]; positions: int64 [num_tokens]."""
+def rope_tables(max_positions: int, head_dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles of positions 0 .. max_positions - 1: float32
+    [max_positions, head_dim // 2] each, built once per model so that a step only gathers its rows."""
+    half = head_dim // 2
+    inv_freq = base ** (-torch.arange(half, device=device, dtype=torch.float32) / half)
+    angles = torch.arange(max_positions, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x: [num_tokens, num_heads, head_dim]; cos, sin: float32
+    [num_tokens, 1, head_dim // 2] (rows of `rope_tables`)."""
     half = x.shape[-1] // 2
-    inv_freq = base ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
-    # [num_tokens, 1, half]
-    angles = (positions.to(torch.float32)[:, None] * inv_freq[None, :]).unsqueeze(1)
-    cos, sin = angles.cos(), angles.sin()
     x1, x2 = x[..., :half].float(), x[..., half:].float()
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
@@ -132,23 +138,25 @@ class DecoderLayer(nn.Module):
         self.up = nn.Linear(args.dim, args.ffn_dim, bias=False)
         self.down = nn.Linear(args.ffn_dim, args.dim, bias=False)
 
-    def forward(self, h, positions, attend: Callable):
+    def forward(self, h, rope: tuple[torch.Tensor, torch.Tensor], attend: Callable):
         a = self.args
         q_size, kv_size = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
         q, k, v = self.qkv(self.attn_norm(h)).split([q_size, kv_size, kv_size], dim=-1)
-        q = rotary(q.reshape(-1, a.n_heads, a.head_dim), positions, a.rope_base)
-        k = rotary(k.reshape(-1, a.n_kv_heads, a.head_dim), positions, a.rope_base)
+        q = rotary(q.reshape(-1, a.n_heads, a.head_dim), *rope)
+        k = rotary(k.reshape(-1, a.n_kv_heads, a.head_dim), *rope)
         o = attend(q, k, v.reshape(-1, a.n_kv_heads, a.head_dim).contiguous())
         h = h + self.out(o.reshape(-1, q_size))
         return h + self.down(nn.functional.gelu(self.up(self.mlp_norm(h))))
 
 
 class Decoder(nn.Module):
-    """Embedding, `n_layers` decoder layers, final LayerNorm and an untied LM head."""
+    """Embedding, `n_layers` decoder layers, final LayerNorm and an untied LM head, for positions below
+    `max_positions` (the rotary tables' rows)."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, max_positions: int):
         super().__init__()
-        self.args = args
+        self.args, self.max_positions = args, max_positions
+        self.rope = None  # rope_tables, made by init_weights on the weights' device
         self.embed = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.n_layers))
         self.norm = nn.LayerNorm(args.dim, eps=args.norm_eps)
@@ -172,6 +180,8 @@ class Decoder(nn.Module):
         for layer in self.layers:
             layer.qkv.weight[:q_size].mul_(QUERY_GAIN * math.sqrt(self.args.head_dim))
         self.lm_head.weight.mul_(LOGIT_GAIN)
+        # Plain attributes, not buffers: `to(dtype=...)` would round them to the weights' dtype.
+        self.rope = rope_tables(self.max_positions, self.args.head_dim, self.args.rope_base, device)
         return self.to(dtype=dtype)
 
     @torch.no_grad()
@@ -179,13 +189,15 @@ class Decoder(nn.Module):
         """Hidden states of all tokens; logits (float32) only at `logits_index`.
 
         Args:
-            input_ids, positions: int64 [num_tokens].
+            input_ids, positions: int64 [num_tokens], positions below `max_positions`.
             attend: `attend(layer, q, k, v) -> [num_tokens, n_heads, head_dim]`.
             logits_index: int64 [num_samples], rows whose next-token logits are wanted.
         Returns:
             float32 [num_samples, vocab_size].
         """
         h = self.embed(input_ids)
+        # [num_tokens, 1, head_dim // 2] each, gathered once for every layer's q and k.
+        rope = tuple(table[positions].unsqueeze(1) for table in self.rope)
         for i, layer in enumerate(self.layers):
-            h = layer(h, positions, lambda q, k, v, i=i: attend(i, q, k, v))
+            h = layer(h, rope, lambda q, k, v, i=i: attend(i, q, k, v))
         return self.lm_head(self.norm(h[logits_index])).float()

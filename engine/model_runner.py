@@ -120,7 +120,9 @@ class ModelRunner:
             config.backend, args, str(self.dtype).removeprefix("torch."), config.page_size
         )
         with self.device:  # build the layers on the device: no large CPU init for big configs
-            self.model = Decoder(args).init_weights(config.seed, self.device, self.dtype)
+            # No sequence outgrows the cache: its positions stay below num_pages * page_size.
+            capacity = config.num_pages * config.page_size
+            self.model = Decoder(args, capacity).init_weights(config.seed, self.device, self.dtype)
         shape = (config.num_pages, config.page_size, args.n_kv_heads, args.head_dim)
         self.kv_caches = [
             tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2))
