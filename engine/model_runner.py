@@ -120,7 +120,8 @@ class ModelRunner:
             config.backend, args, str(self.dtype).removeprefix("torch."), config.page_size
         )
         with self.device:  # build the layers on the device: no large CPU init for big configs
-            # No sequence outgrows the cache: its positions stay below num_pages * page_size.
+            # No sequence outgrows the cache, so its positions stay below num_pages * page_size; the
+            # rotary tables then take 4 * head_dim bytes a position, a few percent of its KV.
             capacity = config.num_pages * config.page_size
             self.model = Decoder(args, capacity).init_weights(config.seed, self.device, self.dtype)
         shape = (config.num_pages, config.page_size, args.n_kv_heads, args.head_dim)
