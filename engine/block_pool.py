@@ -175,7 +175,7 @@ class BlockPool:
             keys.append(parent)
             start = size
         # The later pages packed at once and sliced: `encode_page(page, ())` each, byte for byte, at
-        # about half the host time (reports/cpu/admission.md).
+        # a quarter less host time (reports/cpu/admission.md, docs/engine-notes.md).
         body = struct.pack(f"<{stop - start}q", *tokens[start:stop])
         head, step, digest = struct.pack("<Q", size), 8 * size, page_digest
         for offset in range(0, len(body), step):
