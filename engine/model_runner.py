@@ -205,16 +205,29 @@ class ModelRunner:
             ends[sampling].to(self.device),
         )
         samples: list[Sample | None] = [None] * len(batch)
-        for row, j in enumerate(sampling):
-            samples[order[j]] = self._sample(logits[row], ordered[j].seq.params.temperature)
+        temperatures = [ordered[j].seq.params.temperature for j in sampling]
+        for j, sample in zip(sampling, self._sample(logits, temperatures), strict=True):
+            samples[order[j]] = sample
         return samples
 
-    def _sample(self, logits: torch.Tensor, temperature: float) -> Sample:
-        if temperature == 0.0:
-            token = int(torch.argmax(logits))
-            logprobs = torch.log_softmax(logits, dim=-1)
-        else:
-            logprobs = torch.log_softmax(logits / temperature, dim=-1)
-            token = int(torch.multinomial(logprobs.exp(), 1, generator=self.generator))
+    def _sample(self, logits: torch.Tensor, temperatures: list[float]) -> list[Sample]:
+        """One Sample per row of logits [num_samples, vocab_size]. Greedy rows are taken together
+        with one device-to-host copy for the step (a read per row was two syncs per sequence); the
+        others draw from the runner's generator row by row, in order."""
         kept = logits.cpu() if self.config.record_logits else None
-        return Sample(token, float(logprobs[token]), kept)
+        out: list[Sample | None] = [None] * len(temperatures)
+        greedy = [r for r, t in enumerate(temperatures) if t == 0.0]
+        if greedy:
+            rows = logits if len(greedy) == len(temperatures) else logits[greedy]
+            tokens = torch.argmax(rows, dim=-1)
+            logprobs = torch.log_softmax(rows, dim=-1).gather(-1, tokens[:, None])[:, 0]
+            # float64 holds every token id and float32 logprob exactly.
+            pairs = torch.stack((tokens.double(), logprobs.double()), dim=1).tolist()
+            for r, (token, logprob) in zip(greedy, pairs, strict=True):
+                out[r] = Sample(int(token), logprob, None if kept is None else kept[r])
+        for r, temperature in enumerate(temperatures):
+            if temperature != 0.0:
+                logprobs = torch.log_softmax(logits[r] / temperature, dim=-1)
+                token = int(torch.multinomial(logprobs.exp(), 1, generator=self.generator))
+                out[r] = Sample(token, float(logprobs[token]), None if kept is None else kept[r])
+        return out

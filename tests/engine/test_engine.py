@@ -275,3 +275,23 @@ def test_generate_temperature_is_seeded():
     a = LLM("tiny", num_pages=16, seed=3).generate([PREAMBLE[:10]], params)
     b = LLM("tiny", num_pages=16, seed=3).generate([PREAMBLE[:10]], params)
     assert a[0].token_ids == b[0].token_ids and len(a[0].logprobs) == 5
+
+
+def test_batched_sampling_equals_row_by_row():
+    """A step's greedy rows are sampled together (one device read) and its other rows one by one from
+    the runner's generator: the same tokens and logprobs as a per-row argmax and draws in row order."""
+    runner = LLM("tiny", backend="reference", num_pages=8, seed=3).runner
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, runner.args.vocab_size, generator=gen).to(runner.device) * 4
+    temperatures = [0.0, 0.7, 0.0, 0.0, 1.3, 0.0]
+    draws = torch.Generator(device=runner.device).manual_seed(11)
+    want = []
+    for row, t in zip(logits, temperatures, strict=True):
+        logprobs = torch.log_softmax(row / (t or 1.0), dim=-1)
+        token = (
+            int(torch.argmax(row)) if t == 0.0 else int(torch.multinomial(logprobs.exp(), 1, generator=draws))
+        )
+        want.append((token, float(logprobs[token])))
+    runner.generator.manual_seed(11)
+    got = [(s.token_id, s.logprob) for s in runner._sample(logits, temperatures)]
+    assert got == want
