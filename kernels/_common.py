@@ -31,16 +31,6 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def positive_scale(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
-    """(q, qk_scale) with qk_scale = |scale| * log2(e) >= 0, negating q when scale < 0.
-
-    The kernels subtract the running max before scaling, which needs a non-negative scale.
-    """
-    if scale < 0:
-        return -q, -scale * LOG2E.value
-    return q, scale * LOG2E.value
-
-
 def contiguous_strides(shape) -> tuple[int, ...]:
     """The strides torch gives a contiguous tensor of `shape`."""
     strides, step = [], 1
@@ -52,14 +42,17 @@ def contiguous_strides(shape) -> tuple[int, ...]:
 
 class RunInputs:
     """How a plan hands q and the caches to its kernel, fixed at planning (the plan guards their
-    shapes and strides): q negated when scale < 0 (`positive_scale`), the caches copied to contiguous
-    ones when k's and v's strides differ (the kernel takes one set). `kwargs` holds the kernel's
-    stride and qk_scale arguments, so that a run passes tensors only.
+    shapes and strides): q negated when scale < 0, the caches copied to contiguous ones when k's and
+    v's strides differ (the kernel takes one set). `kwargs` holds the kernel's stride and qk_scale
+    arguments, so that a run passes tensors only.
     """
 
     def __init__(self, q, k_cache, v_cache, scale: float, return_lse: bool):
-        q_in, qk_scale = positive_scale(q, scale)
+        # The kernels subtract the running max before scaling, which needs qk_scale = |scale| * log2(e)
+        # >= 0: a negative scale negates q instead.
         self.negate = scale < 0
+        qk_scale = (-scale if self.negate else scale) * LOG2E.value
+        q_strides = (-q).stride() if self.negate else q.stride()
         self.copy_caches = k_cache.stride() != v_cache.stride()
         cache_strides = contiguous_strides(k_cache.shape) if self.copy_caches else k_cache.stride()
         self.qk_scale = qk_scale
@@ -71,7 +64,7 @@ class RunInputs:
             None if return_lse else torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         )
         self.kwargs = dict(
-            zip(("stride_qt", "stride_qh", "stride_qd"), q_in.stride(), strict=True),
+            zip(("stride_qt", "stride_qh", "stride_qd"), q_strides, strict=True),
             **dict(zip(("stride_page", "stride_tok", "stride_kvh", "stride_d"), cache_strides, strict=True)),
             qk_scale=qk_scale,
         )
@@ -105,10 +98,6 @@ def padded_head_dim(head_dim: int) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def ceil_to(a: int, b: int) -> int:
-    return cdiv(a, b) * b
 
 
 def page_size_constexpr(page_size: int, block_n: int) -> int:
