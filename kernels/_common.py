@@ -164,7 +164,9 @@ class BoundLaunch:
             self.kernel[self.grid](*tensors, **self.planned)
             return
         device = torch.cuda.current_device()
-        key = (device, *((t.dtype, t.data_ptr() % 16 == 0) for t in tensors))
+        # A TMA descriptor (its shape and layout fixed by the plan) specializes by its base tensor.
+        bases = (getattr(t, "base", t) for t in tensors)
+        key = (device, *((t.dtype, t.data_ptr() % 16 == 0) for t in bases))
         compiled = self.compiled.get(key)
         if compiled is None:
             self.compiled[key] = self.kernel[self.grid](*tensors, **self.planned)

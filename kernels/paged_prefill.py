@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import tile_lists
+from kernels import hopper_prefill, tile_lists
 from kernels._common import (
     FINITE_MIN,
     BoundLaunch,
@@ -205,11 +205,16 @@ class PrefillPlan:
         self.return_lse = return_lse
         self.inputs = RunInputs(q, k_cache, v_cache, batch.scale, return_lse)
         device = q.device
-        block_m, block_n, num_warps, num_stages = _config(
-            q.dtype, padded_head_dim(batch.head_dim), layout is None
-        )
+        dense = layout is None
+        block_m, block_n, num_warps, num_stages = _config(q.dtype, padded_head_dim(batch.head_dim), dense)
+        cache_contiguous = self.inputs.copy_caches or k_cache.is_contiguous()
+        hopper = hopper_prefill.supports(batch, q, cache_contiguous)
+        if hopper:  # the Triton fallback (misaligned run tensors) walks the Hopper path's tiles
+            block_m, block_n = hopper_prefill.BLOCK_M, hopper_prefill.BLOCK_N
+            num_warps, num_stages = CONFIGS_GPU[(False, True)][2:]
         tiles = _query_tiles(batch, block_m)
         self.grid = (len(tiles), batch.num_heads)
+        self.hopper = None
         if not tiles:
             return
         lists = tile_lists.tile_lists(
@@ -222,10 +227,7 @@ class PrefillPlan:
         # The kernel reads the block table as contiguous rows (a no-op when it already is).
         table = block_tables.contiguous()
         # Everything but q, out, lse and the caches, fixed at planning.
-        self.launch = BoundLaunch(
-            paged_prefill_kernel,
-            self.grid,
-            device,
+        planned = dict(
             **self.inputs.kwargs,
             block_tables=table,
             seq_lens=seq_lens.contiguous(),
@@ -236,10 +238,19 @@ class PrefillPlan:
             **shared_launch_kwargs(batch, k_cache, block_n),
             BLOCK_M=block_m,
             BLOCK_N=block_n,
+        )
+        self.launch = BoundLaunch(
+            paged_prefill_kernel,
+            self.grid,
+            device,
+            **planned,
             num_warps=num_warps,
             num_stages=num_stages,
             **({} if MAX_REGISTERS is None else {"maxnreg": MAX_REGISTERS}),
         )
+        if hopper:
+            self.descriptors = hopper_prefill.CacheDescriptors(k_cache, batch.page_size, batch.head_dim)
+            self.hopper = hopper_prefill.launch(self.grid, device, planned, k_cache, self.descriptors)
 
     def run(self, q, k_cache, v_cache):
         """out [num_tokens, num_heads, head_dim] in q's dtype; with return_lse also lse float32."""
@@ -247,7 +258,10 @@ class PrefillPlan:
         out, lse = self.inputs.outputs()
         if self.grid[0]:
             q_in, k_in, v_in = self.inputs(q, k_cache, v_cache)
-            self.launch(q_in, out, lse, k_in, v_in)
+            if self.hopper is not None and hopper_prefill.aligned(k_in, v_in):
+                self.hopper(q_in, out, lse, self.descriptors(k_in), self.descriptors(v_in))
+            else:
+                self.launch(q_in, out, lse, k_in, v_in)
         return (out, lse) if self.return_lse else out
 
 

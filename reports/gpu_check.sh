@@ -19,6 +19,9 @@
 #                                             the planned-path and decode tests, and the direct launch
 #                                             deliberately broken (keyed without pointer alignment):
 #                                             its test must fail
+#   bash reports/gpu_check.sh OUT_DIR hopper   the Hopper path's tests (tests/kernels/test_hopper_prefill.py),
+#                                             its same-process A/B against the Triton kernel
+#                                             (reports/hopper_ab.py) and ncu's stall reasons for both
 #   bash reports/gpu_check.sh OUT_DIR verdicts-rest    sharpness and false alarms on the GPU
 #                                             (sharpness.md), and an illegal memory access in the
 #                                             campaign (worker replaced), in --replay and in pytest
@@ -70,9 +73,18 @@ case $part in
     broken=/tmp/broken-launch
     rm -rf "$broken" && mkdir -p "$broken" && tar --exclude=./.ab -cf - . | tar -xf - -C "$broken"
     sed -i 's/(t.dtype, t.data_ptr() % 16 == 0)/(t.dtype,)/' "$broken/kernels/_common.py"
-    grep -q "(t.dtype,) for t in tensors" "$broken/kernels/_common.py" || echo "broken-launch: the edit did not apply" >> "$out/summary.txt"
+    grep -q "(t.dtype,) for t in bases" "$broken/kernels/_common.py" || echo "broken-launch: the edit did not apply" >> "$out/summary.txt"
     (cd "$broken" && step 60 broken-launch python3 -m pytest tests/kernels/test_plan.py -k any_address -q -p no:cacheprovider)
     tail -n 5 "$out/broken-launch.log" >> "$out/summary.txt"
+    ;;
+  hopper)
+    step 150 tests python3 -m pytest tests/kernels/test_hopper_prefill.py -q -p no:cacheprovider -n 4
+    tail -n 3 "$out/tests.log" >> "$out/summary.txt"
+    step 220 hopper-ab python3 -m reports.hopper_ab --out "$out"
+    tail -n 5 "$out/hopper-ab.log" >> "$out/summary.txt"
+    step 150 ncu ncu --clock-control none -k regex:prefill_kernel -c 2 \
+      --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed.sum,gpu__time_duration.sum" \
+      python3 -m reports.hopper_ab --out /tmp/hopper-profile --only profile
     ;;
   kernels)
     step 480 bench-kernels python3 -m reports.bench --only kernels --out "$out" --previous .ab
@@ -116,7 +128,7 @@ case $part in
       first-failure-replay="$out/first-failure-replay.json" > /dev/null
     grep -h "worker(s) on\|done in\|summary:" "$out"/campaign-*.log "$out"/first-failure-*.log >> "$out/summary.txt"
     ;;
-  *) echo "unknown part $part (suite, bench, layouts, kernels, probe, verdicts-tests, verdicts-rest or campaign)"; exit 2 ;;
+  *) echo "unknown part $part (suite, bench, layouts, kernels, probe, hopper, verdicts-tests, verdicts-rest or campaign)"; exit 2 ;;
 esac
 cat "$out/summary.txt"
 # The device tool returns at most eight files per call: everything also goes back as one archive.

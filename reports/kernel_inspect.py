@@ -28,12 +28,14 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.runtime import jit  # noqa: E402
 
 import kernels  # noqa: E402
 from harness.cases import AttentionCase, LayoutSpec, attention_args, build_inputs  # noqa: E402
 
 decode_module = importlib.import_module("kernels.paged_decode")
+hopper_module = importlib.import_module("kernels.hopper_prefill")
 
 BIN = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 PHI3 = LayoutSpec("local_strided", 64, 16, 8, num_heads_total=32)
@@ -54,9 +56,12 @@ DECODE_SPLITS = 8  # what _num_splits picks needs a device; any count compiles t
 
 
 @contextlib.contextmanager
-def intercepted_launches():
-    """Within the block, kernel launches record (kernel, args, kwargs) instead of running."""
+def intercepted_launches(hopper: bool):
+    """Within the block, kernel launches record (kernel, args, kwargs) instead of running; with
+    `hopper`, plans take the Hopper path as they would on an sm_90 GPU."""
     launches, original = [], jit.JITFunction.run
+    on_hopper, hopper_module.on_hopper = hopper_module.on_hopper, lambda device: hopper
+    enabled, hopper_module.ENABLED = hopper_module.ENABLED, hopper
 
     def record(self, *args, grid, warmup, **kwargs):
         launches.append((self, args, kwargs))
@@ -68,6 +73,7 @@ def intercepted_launches():
     finally:
         jit.JITFunction.run = original
         decode_module._num_splits = splits
+        hopper_module.on_hopper, hopper_module.ENABLED = on_hopper, enabled
 
 
 def compile_for(kernel, args, kwargs, arch: int):
@@ -77,8 +83,9 @@ def compile_for(kernel, args, kwargs, arch: int):
     binder = jit.create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    source = GluonASTSource if kernel.is_gluon() else ASTSource
     return triton.compile(
-        ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__
+        source(kernel, signature, constexprs, attrs), target=target, options=options.__dict__
     )
 
 
@@ -114,11 +121,11 @@ def resources(compiled, arch: int) -> dict:
     )
 
 
-def inspect_case(name: str, arch: int, dump: pathlib.Path | None) -> list[dict]:
+def inspect_case(name: str, arch: int, dump: pathlib.Path | None, hopper: bool = False) -> list[dict]:
     case, decode = CASES[name]
     inputs = build_inputs(case, "cpu")
     fn = kernels.paged_decode if decode else kernels.paged_prefill
-    with intercepted_launches() as launches:
+    with intercepted_launches(hopper) as launches:
         fn(*attention_args(inputs, decode), scale=inputs["scale"], layout=inputs["layout"], return_lse=True)
     rows = []
     for kernel, args, kwargs in launches:
@@ -136,13 +143,14 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (Hopper)")
     parser.add_argument("--case", action="append", choices=sorted(CASES), help="repeatable; default: all")
     parser.add_argument("--dump", type=pathlib.Path, help="also write each kernel's TTGIR and PTX here")
+    parser.add_argument("--hopper", action="store_true", help="plans take the Hopper (Gluon) path")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     cols = ("case", "kernel", "num_warps", "num_stages", "registers", "spill_stores", "spill_loads",
             "shared_bytes", "async_copies", "wgmma", "mma")  # fmt: skip
     print(" | ".join(cols))
     for name in args.case or sorted(CASES):
-        for row in inspect_case(name, args.arch, args.dump):
+        for row in inspect_case(name, args.arch, args.dump, args.hopper):
             print(" | ".join(str(row[c]) for c in cols), flush=True)
     return 0
 
