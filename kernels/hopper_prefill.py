@@ -1,9 +1,9 @@
 """The planned prefill's Hopper path (sm_90, 16-bit inputs), in Gluon: the same tile lists and math as
 `paged_prefill_kernel`, with the kernel structure Triton does not produce there.
 
-spec: `reference.paged_prefill.paged_prefill`, through `kernels.paged_prefill.PrefillPlan`, which takes
-this path when `supports(...)` holds and falls back to the Triton kernel otherwise (and for a run whose
-caches are not 16-byte aligned, which the tensor-memory copies need). What differs from the Triton
+spec: `reference.paged_prefill.paged_prefill`, through `kernels.paged_prefill.PrefillPlan`, which
+takes this path when `ENABLED` is set and `supports(...)` holds, and falls back to the Triton kernel
+otherwise (and for a run whose caches are not 16-byte aligned, which the tensor-memory copies need). What differs from the Triton
 kernel, and why (reports/gpu/kernel-ab.md §9):
 - K and V tiles arrive by TMA, page by page (`PAGE_ROWS` rows a copy), into a ring of `STAGES`
   shared-memory slots, issued two tiles ahead: no per-thread address arithmetic and no address
@@ -32,9 +32,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels._common import BoundLaunch, interpreted
 
-# Off: on the H200 this path is still slower than the Triton kernel (Phi-3 8k prefill 0.784 against
-# 0.597 ms, reports/gpu/kernel-ab.md §9). reports/hopper_ab.py and tests/kernels/test_hopper_prefill.py
-# turn it on.
+# Off: on the H200 this path is still slower than the Triton kernel with pages of 16 (Phi-3 8k prefill
+# 0.676 against 0.595 ms) and 1-3% faster with pages of 64 (reports/gpu/kernel-ab.md §9).
+# reports/hopper_ab.py and tests/kernels/test_hopper_prefill.py turn it on.
 ENABLED = False
 BLOCK_M, BLOCK_N, NUM_WARPS, STAGES = 64, 64, 4, 3
 Q_IN_REGS = False  # Q as wgmma's register operand instead of shared memory (16 KB less a program)

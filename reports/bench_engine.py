@@ -12,7 +12,7 @@ layers (2 FLOPs per weight per token) plus attention (4 * head_dim FLOPs per att
 pair under each layer's layout). Target: measured <= ideal + 0.05.
 
 `python3 -m reports.bench --only engine` runs the GPU settings (phi3-small-attn, 4 layers, at 2k, 8k
-and 32k; phi3-small, Phi-3-small's 32 layers, at 8k and 32k; triton backend) and writes
+and 32k; phi3-small, Phi-3-small's 32 layers, at 2k, 8k and 32k; triton backend) and writes
 reports/gpu/engine-ttft.{md,json,png}. `python3 -m reports.bench_engine --smoke --out DIR` runs a
 tiny CPU setting (reference backend) to check the script, not to measure anything.
 """
@@ -53,7 +53,7 @@ class Setting:
 
 GPU_SETTINGS = (
     Setting("phi3-small-attn", "triton", (2048, 8192, 32768)),
-    Setting("phi3-small", "triton", (8192, 32768), warmup=1, repeats=3),
+    Setting("phi3-small", "triton", (2048, 8192, 32768), warmup=1, repeats=3),
 )
 SMOKE_SETTINGS = (Setting("tiny", "reference", (64, 160), warmup=1, repeats=2, dtype="float32"),)
 
