@@ -3,8 +3,8 @@
 
 spec: `reference.paged_prefill.paged_prefill`, through `kernels.paged_prefill.PrefillPlan`, which
 takes this path when `ENABLED` is set and `supports(...)` holds, and falls back to the Triton kernel
-otherwise (and for a run whose caches are not 16-byte aligned, which the tensor-memory copies need). What differs from the Triton
-kernel, and why (reports/gpu/kernel-ab.md §9):
+otherwise (and for a run whose caches are not 16-byte aligned, which the tensor-memory copies need).
+What differs from the Triton kernel, and why (reports/gpu/kernel-ab.md §9):
 - K and V tiles arrive by TMA, page by page (`PAGE_ROWS` rows a copy), into a ring of `STAGES`
   shared-memory slots, issued two tiles ahead: no per-thread address arithmetic and no address
   registers, and a load's latency is hidden behind a whole tile of work.
