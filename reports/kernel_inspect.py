@@ -1,11 +1,12 @@
 """Compile the kernels for a GPU target on a machine without one, and report what the compiler did.
 
-`python -m reports.kernel_inspect [--arch 90] [--case NAME ...] [--dump DIR]` runs the public ops
-on CPU tensors with every launch intercepted, compiles each launch for `sm_<arch>` with triton's
-bundled ptxas (no driver needed), and prints per kernel: registers and spills (ptxas -v), shared
-memory, whether the key loop's loads became asynchronous copies (software pipelining), and how many
-warpgroup (wgmma) and plain (mma) matrix instructions the SASS holds. It costs no device time, so
-a kernel change can be checked for spills or a lost pipeline before it is timed on the GPU.
+`python -m reports.kernel_inspect [--arch 90] [--case NAME ...] [--dump DIR] [--hopper]` runs the
+public ops on CPU tensors with every launch intercepted, compiles each launch for `sm_<arch>` with
+triton's bundled ptxas (no driver needed), and prints per kernel: registers and spills (ptxas -v),
+shared memory, whether the key loop's loads became asynchronous copies (software pipelining), and how
+many warpgroup (wgmma) and plain (mma) matrix instructions the SASS holds. It costs no device time,
+so a kernel change can be checked for spills or a lost pipeline before it is timed on the GPU.
+`--hopper` plans the prefill on its Hopper path (kernels/hopper_prefill.py, a Gluon kernel).
 
 Must run without TRITON_INTERPRET (the kernels must be compiled, not interpreted).
 """
