@@ -74,7 +74,7 @@ def aligned(*tensors: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
-def launch(grid, device: torch.device, planned: dict, k_cache: torch.Tensor, descriptors) -> BoundLaunch:
+def launch(grid, device: torch.device, planned: dict, descriptors: "CacheDescriptors") -> BoundLaunch:
     """The bound launch of `hopper_prefill_kernel`, from the Triton kernel's planned arguments."""
     names = set(hopper_prefill_kernel.arg_names)
     return BoundLaunch(
@@ -83,7 +83,7 @@ def launch(grid, device: torch.device, planned: dict, k_cache: torch.Tensor, des
         device,
         **{name: value for name, value in planned.items() if name in names},
         cache_rows=descriptors.shape[0],
-        HEAD_DIM=k_cache.shape[-1],
+        HEAD_DIM=descriptors.block[1],
         PAGE_ROWS=descriptors.block[0],
         STAGES=STAGES,
         Q_IN_REGS=Q_IN_REGS,
@@ -94,8 +94,8 @@ def launch(grid, device: torch.device, planned: dict, k_cache: torch.Tensor, des
 class CacheDescriptors:
     """Builds the per-run TMA descriptors of the K and V caches (their base pointers change per layer)."""
 
-    def __init__(self, k_cache: torch.Tensor, page_size: int, head_dim: int):
-        num_pages, _, num_kv_heads, _ = k_cache.shape
+    def __init__(self, k_cache: torch.Tensor):
+        num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
         self.shape = [num_pages * page_size, num_kv_heads * head_dim]
         self.strides = [num_kv_heads * head_dim, 1]
         self.block = [min(page_size, BLOCK_N), head_dim]

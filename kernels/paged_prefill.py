@@ -249,8 +249,8 @@ class PrefillPlan:
             **({} if MAX_REGISTERS is None else {"maxnreg": MAX_REGISTERS}),
         )
         if hopper:
-            self.descriptors = hopper_prefill.CacheDescriptors(k_cache, batch.page_size, batch.head_dim)
-            self.hopper = hopper_prefill.launch(self.grid, device, planned, k_cache, self.descriptors)
+            self.descriptors = hopper_prefill.CacheDescriptors(k_cache)
+            self.hopper = hopper_prefill.launch(self.grid, device, planned, self.descriptors)
 
     def run(self, q, k_cache, v_cache):
         """out [num_tokens, num_heads, head_dim] in q's dtype; with return_lse also lse float32."""
