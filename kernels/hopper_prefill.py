@@ -1,18 +1,21 @@
 """The planned prefill's Hopper path (sm_90, 16-bit inputs), in Gluon: the same tile lists and math as
-`paged_prefill_kernel`, with the kernel structure Triton does not produce there.
+`paged_prefill_kernel`, with the kernel structure Triton does not produce there (FlashAttention-3's).
 
 spec: `reference.paged_prefill.paged_prefill`, through `kernels.paged_prefill.PrefillPlan`, which
 takes this path when `ENABLED` is set and `supports(...)` holds, and falls back to the Triton kernel
 otherwise (and for a run whose caches are not 16-byte aligned, which the tensor-memory copies need).
-What differs from the Triton kernel, and why (reports/gpu/kernel-ab.md §9):
-- K and V tiles arrive by TMA, page by page (`PAGE_ROWS` rows a copy), into a ring of `STAGES`
-  shared-memory slots, issued two tiles ahead: no per-thread address arithmetic and no address
-  registers, and a load's latency is hidden behind a whole tile of work.
-- The scores of the next tile are computed while the softmax of this one runs (the tensor cores and
-  the other units overlap within the warp group, as FlashAttention-3 does); Triton waits for each
-  score product before its softmax.
-- The full and the partial tiles are one pipelined loop (a runtime branch masks the partial ones), so
-  the pipeline does not drain and refill between the two lists.
+The grid is persistent (a program an SM, each taking every `num_programs`-th (query tile, head) of
+the walk order), and a program runs three warp-specialized parts on 128-row query tiles:
+- a producer warp walks each tile's lists and copies its key tiles' K and V by TMA, page by page
+  (`PAGE_ROWS` rows a copy), into a ring of `STAGES` shared-memory slots: a slot is refilled as soon
+  as both consumers have released it, across query tiles, so no compute warp issues a copy or waits
+  for one it does not need yet, and the next query tile's first keys arrive during this one's end;
+- two consumer warp groups (4 warps, `CONSUMER_REGISTERS` registers a thread) take 64 rows each and
+  share every slot: each runs its scores, softmax and P.V, and the warp scheduler overlaps one's
+  softmax with the other's matrix products.
+The lists are built for 128-row tiles, so a key tile is full only when it is full for both halves;
+a partial one may be nothing or everything to one half (`_tile_mode`), which then skips it or takes
+it unmasked.
 Not on this path: float32 (scores in float64), head dims other than 64 and 128, pages of fewer than
 8 rows or of sizes that neither divide nor are multiples of `BLOCK_N`, and caches whose rows are not
 contiguous (a TMA descriptor needs `[num_pages * page_size, num_kv_heads * head_dim]` rows).
@@ -21,6 +24,7 @@ contiguous (a TMA descriptor needs `[num_pages * page_size, num_kv_heads * head_
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -32,17 +36,27 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels._common import BoundLaunch, interpreted
 
-# Off: on the H200 this path is still slower than the Triton kernel with pages of 16 (Phi-3 8k prefill
-# 0.676 against 0.595 ms) and 1-3% faster with pages of 64 (reports/gpu/kernel-ab.md §9).
+# Off: 1.24-1.36x faster than the Triton kernel on the H200 at 8k to 128k tokens, but its launch
+# enqueues in 42-108 µs (two TMA descriptors encoded a run) against a 40 µs target, and with 832
+# queries its 128-row tiles leave too few programs (reports/gpu/kernel-ab.md §10).
 # reports/hopper_ab.py and tests/kernels/test_hopper_prefill.py turn it on.
 ENABLED = False
-BLOCK_M, BLOCK_N, NUM_WARPS, STAGES = 64, 64, 4, 3
-Q_IN_REGS = False  # Q as wgmma's register operand instead of shared memory (16 KB less a program)
+BLOCK_M, BLOCK_N, STAGES = 128, 64, 3
+# Registers are set per warp group (setmaxnreg): the two consumers' and the producer's (one warp of a
+# group of 4) fill the register file at 168 a thread on average, one program an SM.
+MAX_REGISTERS, CONSUMER_REGISTERS, PRODUCER_REGISTERS = 168, 240, 24
+FALLBACK_WARPS = 8  # the Triton kernel's warps on these 128-row tiles (a run with misaligned caches)
 HEAD_DIMS = (64, 128)
 MIN_PAGE_ROWS = 8  # the 128-byte swizzle's atom: a TMA copy into a slot starts on one
 GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
-NOT_SPECIALIZED = ["page_size", "num_blocks", "sparse_block", "group", "stride_list_head", "cache_rows"]
+# Runtime integers that may be 1 (a compiled-in 1 cannot be handed to a warp-specialized partition).
+NOT_SPECIALIZED = [
+    "page_size", "num_blocks", "sparse_block", "group", "stride_list_head", "cache_rows", "stride_bt",
+    "stride_mask_head", "num_tiles", "num_heads",
+]  # fmt: skip
 
+CONSUMER_THREADS = gl.constexpr(4 * 32)  # a consumer warp group
+SKIP, WHOLE, PART = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)  # a partial tile, for one group
 # The twins of kernels/_common.py's constants (a Gluon function reads only Gluon constexprs).
 FINITE_MIN = gl.constexpr(-3.4028234663852886e38)
 NEG_INF = gl.constexpr(float("-inf"))
@@ -54,6 +68,11 @@ def on_hopper(device: torch.device) -> bool:
     return device.type == "cuda" and not interpreted() and torch.cuda.get_device_capability(device) == (9, 0)
 
 
+def num_sms(device: torch.device) -> int:
+    """The device's multiprocessor count: the persistent grid's size."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def supports(batch, q: torch.Tensor, cache_contiguous: bool) -> bool:
     """Whether a validated prefill call takes this path (a run's caches must also be `aligned`)."""
     page = batch.page_size
@@ -61,6 +80,8 @@ def supports(batch, q: torch.Tensor, cache_contiguous: bool) -> bool:
         ENABLED
         and on_hopper(q.device)
         and q.dtype in GL_DTYPES
+        and q.stride(-1) == 1
+        and 1 not in q.stride()[:2]  # strides of 1 compile in (see NOT_SPECIALIZED)
         and batch.head_dim in HEAD_DIMS
         and page >= MIN_PAGE_ROWS
         and (page % BLOCK_N == 0 or BLOCK_N % page == 0)
@@ -75,19 +96,26 @@ def aligned(*tensors: torch.Tensor) -> bool:
 
 
 def launch(grid, device: torch.device, planned: dict, descriptors: "CacheDescriptors") -> BoundLaunch:
-    """The bound launch of `hopper_prefill_kernel`, from the Triton kernel's planned arguments."""
+    """The bound launch of `hopper_prefill_kernel`, from the Triton kernel's planned arguments and grid
+    (query tiles, heads)."""
     names = set(hopper_prefill_kernel.arg_names)
+    num_tiles, num_heads = grid
+    programs = min(num_tiles * num_heads, num_sms(device))
     return BoundLaunch(
         hopper_prefill_kernel,
-        grid,
+        (programs,),
         device,
         **{name: value for name, value in planned.items() if name in names},
+        num_tiles=num_tiles,
+        num_heads=num_heads,
         cache_rows=descriptors.shape[0],
         HEAD_DIM=descriptors.block[1],
         PAGE_ROWS=descriptors.block[0],
         STAGES=STAGES,
-        Q_IN_REGS=Q_IN_REGS,
-        num_warps=NUM_WARPS,
+        CONSUMER_REGISTERS=CONSUMER_REGISTERS,
+        PRODUCER_REGISTERS=PRODUCER_REGISTERS,
+        num_warps=4,  # the default partition: the first consumer
+        maxnreg=MAX_REGISTERS,
     )
 
 
@@ -112,6 +140,32 @@ def _io_layout(head_dim, num_warps):
     return gl.BlockedLayout([1, 8], [32 // lanes_d, lanes_d], [num_warps, 1], [1, 0])
 
 
+@gluon.constexpr_function
+def _mma_layout(n, num_warps):
+    # A warp group's wgmma accumulator of N = n columns: 64 rows, 16 a warp.
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def _tile_ptr(p_full, p_partial, t, n_full):
+    """Where the t-th tile of the walk is listed: the full list, then the partial one."""
+    return gl.where(t < n_full, p_full + 1 + t, p_partial + 1 + (t - n_full))
+
+
+@gluon.jit
+def _work(w, num_tiles, tiles, tile_lists, stride_list_kind, stride_list_tile, stride_list_head):
+    """Work item w of the walk order (query tile, head): head-major, each head's query tiles last-first
+    (a sequence's last tiles see the most keys). Its sequence, absolute query tile, head and lists."""
+    i_h = (w // num_tiles).to(gl.int64)
+    i_t = (num_tiles - 1 - w % num_tiles).to(gl.int64)
+    i_b = gl.load(tiles + 2 * i_t).to(gl.int64)
+    i_qt = gl.load(tiles + 2 * i_t + 1)
+    p_full = tile_lists + i_qt.to(gl.int64) * stride_list_tile + i_h * stride_list_head
+    p_partial = p_full + stride_list_kind
+    n_full = gl.load(p_full)
+    return i_b, i_qt, i_h, p_full, p_partial, n_full, n_full + gl.load(p_partial)
+
+
 @gluon.jit
 def _page_rows(n, p_bt, seq_len, page_size, cache_rows, pred, o_box, PAGE_ROWS: gl.constexpr):
     """[BOXES]: the cache row where each `PAGE_ROWS`-row box of the key tile at position n starts.
@@ -124,38 +178,275 @@ def _page_rows(n, p_bt, seq_len, page_size, cache_rows, pred, o_box, PAGE_ROWS: 
 
 
 @gluon.jit
-def _issue_tile(
-    k_desc,
-    v_desc,
-    k_buf,
-    v_buf,
-    bar,
-    rows,
-    kv_col,
-    pred,
-    o_box,
-    BLOCK_N: gl.constexpr,
-    PAGE_ROWS: gl.constexpr,
-):
-    """TMA copies of one key tile (K and V, box by box from `rows`) into one slot, completing on bar."""
-    mbarrier.expect(bar, 2 * k_desc.block_type.nbytes * (BLOCK_N // PAGE_ROWS), pred=pred)
-    for j in gl.static_range(BLOCK_N // PAGE_ROWS):
-        row = gl.sum(gl.where(o_box == j, rows, 0), 0)
-        tma.async_copy_global_to_shared(
-            k_desc, [row, kv_col], bar, k_buf.slice(j * PAGE_ROWS, PAGE_ROWS), pred=pred
+def _producer(
+    k_desc, v_desc, k_smem, v_smem, ready, empty, block_tables, seq_lens, tiles, tile_lists, stride_bt,
+    stride_list_kind, stride_list_tile, stride_list_head, page_size, group, cache_rows, num_tiles,
+    num_heads, BLOCK_N: gl.constexpr, PAGE_ROWS: gl.constexpr, STAGES: gl.constexpr,
+):  # fmt: skip
+    """Copies the key tiles of the program's work items, in walk order, into the ring: the k-th tile
+    goes to slot k % STAGES once both consumers have released it (`empty`), and completes on `ready`."""
+    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
+    BOXES: gl.constexpr = BLOCK_N // PAGE_ROWS
+    # Every thread holds every box's row: picking one out is a register select, not a reduction.
+    box_layout: gl.constexpr = gl.BlockedLayout([BOXES], [32], [gl.num_warps()], [0])
+    o_box = gl.arange(0, BOXES, layout=box_layout)
+    k = 0
+    for w in range(gl.program_id(0), num_tiles * num_heads, gl.num_programs(0)):
+        i_b, _, i_h, p_full, p_partial, n_full, count = _work(
+            w, num_tiles, tiles, tile_lists, stride_list_kind, stride_list_tile, stride_list_head
         )
-        tma.async_copy_global_to_shared(
-            v_desc, [row, kv_col], bar, v_buf.slice(j * PAGE_ROWS, PAGE_ROWS), pred=pred
-        )
+        seq_len = gl.load(seq_lens + i_b)
+        kv_col = ((i_h // group) * HEAD_DIM).to(gl.int32)
+        p_bt = block_tables + i_b * stride_bt
+        n = gl.load(_tile_ptr(p_full, p_partial, 0, n_full), mask=count > 0, other=0) * BLOCK_N
+        rows = _page_rows(n, p_bt, seq_len, page_size, cache_rows, count > 0, o_box, PAGE_ROWS)
+        for t in range(count):
+            # The next tile's page rows, looked up before waiting for this tile's slot.
+            t_next = t + 1
+            n_next = (
+                gl.load(_tile_ptr(p_full, p_partial, t_next, n_full), mask=t_next < count, other=0) * BLOCK_N
+            )
+            rows_next = _page_rows(
+                n_next, p_bt, seq_len, page_size, cache_rows, t_next < count, o_box, PAGE_ROWS
+            )
+            slot = k % STAGES
+            # A slot's first wait passes at once (a fresh barrier's phase before 0 counts as complete).
+            mbarrier.wait(empty.index(slot), ((k // STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, 2 * k_desc.block_type.nbytes * BOXES)
+            for j in gl.static_range(BOXES):
+                row = gl.sum(gl.where(o_box == j, rows, 0), 0)
+                k_box = k_smem.index(slot).slice(j * PAGE_ROWS, PAGE_ROWS)
+                v_box = v_smem.index(slot).slice(j * PAGE_ROWS, PAGE_ROWS)
+                tma.async_copy_global_to_shared(k_desc, [row, kv_col], bar, k_box)
+                tma.async_copy_global_to_shared(v_desc, [row, kv_col], bar, v_box)
+            rows = rows_next
+            k += 1
 
 
 @gluon.jit
-def _tile_ptr(p_full, p_partial, t, n_full):
-    """Where the t-th tile of the walk is listed: the full list, then the partial one."""
-    return gl.where(t < n_full, p_full + 1 + t, p_partial + 1 + (t - n_full))
+def _attend_tile(
+    b_m, b_l, b_seen, b_acc, k, p_tile, q_buf, k_smem, v_smem, v_own, ready, empty, o_m, m_m, p_mask_row,
+    seq_len, sparse_block, qk_scale,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, LAYOUT_MASK: gl.constexpr, PARTIAL: gl.constexpr,
+):  # fmt: skip
+    """The k-th key tile of the ring (its start listed at p_tile) into the online softmax state, as
+    `attend` (kernels/_common.py); then its slot is released."""
+    ROWS: gl.constexpr = q_buf.type.shape[0]
+    HEAD_DIM: gl.constexpr = q_buf.type.shape[1]
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    dtype: gl.constexpr = q_buf.dtype
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N, NUM_WARPS)
+    o_layout: gl.constexpr = b_acc.type.layout
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    io_layout: gl.constexpr = _io_layout(HEAD_DIM, NUM_WARPS)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    slot = k % STAGES
+    mbarrier.wait(ready.index(slot), (k // STAGES) & 1)
+    b_s = warpgroup_mma(
+        q_buf, k_smem.index(slot).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
+        use_acc=False, is_async=True,
+    )  # fmt: skip
+    b_s = warpgroup_mma_wait(num_outstanding=0, deps=(b_s,))
+    b_s = b_s + b_s * 0.0  # the NaN rule: an infinite score is seen as NaN
+    v_buf = v_smem.index(slot)
+    if PARTIAL:
+        n = gl.load(p_tile) * BLOCK_N
+        o_n = n + gl.arange(0, BLOCK_N, layout=col_s)
+        m_s = (o_n[None, :] <= o_m[:, None]) & (o_n[None, :] < seq_len) & m_m[:, None]
+        if LAYOUT_MASK == 0:  # MASK_ELEMENTS
+            m_s = m_s & (gl.load(p_mask_row[:, None] + o_n[None, :] // sparse_block, mask=m_s, other=0) != 0)
+        elif LAYOUT_MASK == 1:  # MASK_ROWS
+            m_s = m_s & (gl.load(p_mask_row + n // sparse_block, mask=m_m, other=0) != 0)[:, None]
+        # Keys whose V holds NaN or Inf (past the sequence end too: the rest of its last page may hold
+        # anything) are seen as a NaN score instead, and zeroed in this consumer's own copy of V: a
+        # masked weight of 0 times a non-finite V would make NaN. The slot is shared with the other
+        # consumer, so it is only read.
+        b_v = v_buf.load(io_layout)
+        m_v_bad = gl.max(((b_v != b_v) | (gl.abs(b_v) == float("inf"))).to(gl.int32), 1) > 0
+        v_own.store(gl.where(m_v_bad[:, None], gl.zeros_like(b_v), b_v))
+        fence_async_shared()
+        gl.thread_barrier()
+        b_s = gl.where(gl.convert_layout(m_v_bad, col_s)[None, :], float("nan"), b_s)
+        b_s = gl.where(m_s, b_s, NEG_INF)
+        b_seen = gl.maximum(b_seen, gl.max(m_s.to(gl.int32), 1))
+    else:
+        b_seen = gl.full(b_seen.shape, 1, gl.int32, b_seen.type.layout)
+    b_m_new = gl.maximum(b_m, gl.max(b_s, 1))
+    b_alpha = gl.exp2((b_m - b_m_new) * qk_scale)
+    b_p = gl.exp2(b_s * qk_scale - (b_m_new * qk_scale)[:, None])  # one FMA an element
+    if PARTIAL:
+        # (-inf) * 0 is NaN when scale == 0: masked weights are set, not computed.
+        b_p = gl.where(b_s != NEG_INF, b_p, 0.0)
+    b_l = b_l * b_alpha + gl.sum(b_p, 1)
+    b_acc = b_acc * gl.convert_layout(b_alpha, row_o)[:, None]
+    b_p = gl.convert_layout(b_p.to(dtype), p_layout)
+    if PARTIAL:
+        b_acc = warpgroup_mma(b_p, v_own, b_acc, is_async=True)
+    else:
+        b_acc = warpgroup_mma(b_p, v_buf, b_acc, is_async=True)
+    b_acc = warpgroup_mma_wait(num_outstanding=0, deps=(b_acc,))
+    # Every thread arrives for itself, as FlashAttention-3's consumers do: `mbarrier.arrive` is one
+    # thread's, so the compiler puts a barrier of the group before and after it (two a tile). This
+    # arrival (the cp.async one, with no copy outstanding) is each thread's own.
+    async_copy.mbarrier_arrive(empty.index(slot), increment_count=False)
+    return b_m_new, b_l, b_seen, b_acc
 
 
-# Grid and tiles as `paged_prefill_kernel`: (query tile, query head), tiles taken last-first.
+@gluon.jit
+def _tile_mode(
+    n,
+    first_row,
+    seq_len,
+    p_block_row,
+    sparse_block,
+    ROWS: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    LAYOUT_MASK: gl.constexpr,
+):
+    """What one group's ROWS rows from first_row see of the partial tile at key n: nothing (SKIP: every
+    key after every row, or a layout block none of them sees), all of it (WHOLE), or PART. Exact
+    without per-row detail only when the rows lie in one layout block and the tile in one."""
+    after = n > first_row + ROWS - 1
+    if LAYOUT_MASK == 3:  # MASK_NONE: the layout allows every listed element
+        uniform = n >= 0
+        visible = uniform
+    else:
+        uniform = (LAYOUT_MASK == 1) & (sparse_block % ROWS == 0)  # MASK_ROWS
+        visible = gl.load(p_block_row + n // sparse_block, mask=uniform, other=1) != 0
+    whole = (n + BLOCK_N - 1 <= first_row) & (n + BLOCK_N <= seq_len) & visible & uniform
+    return gl.where(after | (uniform & ~visible), SKIP, gl.where(whole, WHOLE, PART))
+
+
+@gluon.jit
+def _query_rows(
+    i_b, i_qt, seq_lens, query_start_loc, CONSUMER: gl.constexpr, ROWS: gl.constexpr, layout: gl.constexpr
+):
+    """[ROWS] in `layout`: consumer CONSUMER's rows of query tile i_qt of sequence i_b, as absolute
+    positions, whether each is one of the sequence's queries, and token indices; and the sequence's
+    length."""
+    q_begin = gl.load(query_start_loc + i_b)
+    q_len = gl.load(query_start_loc + i_b + 1) - q_begin
+    seq_len = gl.load(seq_lens + i_b)
+    context = seq_len - q_len
+    o_m = i_qt * (2 * ROWS) + CONSUMER * ROWS + gl.arange(0, ROWS, layout=layout)
+    m_m = (o_m >= context) & (o_m < seq_len)
+    return o_m, m_m, (q_begin + o_m - context).to(gl.int64), seq_len
+
+
+@gluon.jit
+def _consumer(
+    q, out, lse, k_smem, v_smem, q_smem, v_own_smem, ready, empty, stride_qt, stride_qh, qk_scale,
+    seq_lens, query_start_loc, tiles, tile_lists, block_mask, stride_list_kind, stride_list_tile,
+    stride_list_head, stride_mask_head, num_blocks, sparse_block, num_tiles, num_heads,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, LAYOUT_MASK: gl.constexpr, CONSUMER: gl.constexpr,
+):  # fmt: skip
+    """Rows CONSUMER * ROWS .. + ROWS - 1 of each of the program's query tiles: the walk over the
+    shared ring (the full tiles unmasked, then the partial ones as `_tile_mode` says), then the
+    outputs."""
+    ROWS: gl.constexpr = q_smem.type.shape[1]
+    HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
+    NUM_WARPS: gl.constexpr = gl.num_warps()
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N, NUM_WARPS)
+    o_layout: gl.constexpr = _mma_layout(HEAD_DIM, NUM_WARPS)
+    io_layout: gl.constexpr = _io_layout(HEAD_DIM, NUM_WARPS)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    row_io: gl.constexpr = gl.SliceLayout(1, io_layout)
+    col_io: gl.constexpr = gl.SliceLayout(0, io_layout)
+    lists = (tiles, tile_lists, stride_list_kind, stride_list_tile, stride_list_head)
+    num_items = num_tiles * num_heads
+    q_buf = q_smem.index(CONSUMER)
+    v_own = v_own_smem.index(CONSUMER)
+    o_d_io = gl.arange(0, HEAD_DIM, layout=col_io)
+
+    # Q [ROWS, HEAD_DIM] of the first item (rows outside the queries zero); each item's loop ends
+    # by loading the next one's.
+    i_b, i_qt, i_h, _, _, _, _ = _work(gl.program_id(0), num_tiles, *lists)
+    _, m_m_io, o_tok_io, _ = _query_rows(i_b, i_qt, seq_lens, query_start_loc, CONSUMER, ROWS, row_io)
+    p_q = q + o_tok_io[:, None] * stride_qt + i_h * stride_qh + o_d_io[None, :]
+    b_q = gl.load(p_q, mask=m_m_io[:, None], other=0.0)
+    k = 0
+    for w in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        i_b, i_qt, i_h, p_full, p_partial, n_full, count = _work(w, num_tiles, *lists)
+        # Every warp of the group is past the previous item's last product (a wait covers the group).
+        q_buf.store(b_q)
+        fence_async_shared()
+        gl.thread_barrier()
+
+        o_m, m_m, _, seq_len = _query_rows(i_b, i_qt, seq_lens, query_start_loc, CONSUMER, ROWS, row_s)
+        qb = gl.minimum(o_m // sparse_block, num_blocks - 1)
+        p_mask_row = block_mask + i_h * stride_mask_head + qb * num_blocks
+        b_m = gl.full([ROWS], FINITE_MIN, gl.float32, row_s)
+        b_l = gl.zeros([ROWS], gl.float32, row_s)
+        b_seen = gl.zeros([ROWS], gl.int32, row_s)
+        b_acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+        for t in range(n_full):
+            b_m, b_l, b_seen, b_acc = _attend_tile(
+                b_m, b_l, b_seen, b_acc, k + t, p_full + 1 + t, q_buf, k_smem, v_smem, v_own, ready, empty,
+                o_m, m_m, p_mask_row, seq_len, sparse_block, qk_scale, BLOCK_N, STAGES, LAYOUT_MASK, False,
+            )  # fmt: skip
+        # A tile partial for the 128-row query tile is often none of this group's business, or whole
+        # for it (the local window's edge blocks, the diagonal's halves): those take no masks.
+        first_row = i_qt * (2 * ROWS) + CONSUMER * ROWS
+        p_block_row = (
+            block_mask
+            + i_h * stride_mask_head
+            + gl.minimum(first_row // sparse_block, num_blocks - 1) * num_blocks
+        )
+        for t in range(n_full, count):
+            p_tile = p_partial + 1 + (t - n_full)
+            mode = _tile_mode(
+                gl.load(p_tile) * BLOCK_N, first_row, seq_len, p_block_row, sparse_block, ROWS, BLOCK_N,
+                LAYOUT_MASK,
+            )  # fmt: skip
+            if mode == SKIP:
+                slot = (k + t) % STAGES
+                mbarrier.wait(ready.index(slot), ((k + t) // STAGES) & 1)  # the copy lands before reuse
+                async_copy.mbarrier_arrive(empty.index(slot), increment_count=False)
+            elif mode == WHOLE:
+                b_m, b_l, b_seen, b_acc = _attend_tile(
+                    b_m, b_l, b_seen, b_acc, k + t, p_tile, q_buf, k_smem, v_smem, v_own, ready, empty, o_m,
+                    m_m, p_mask_row, seq_len, sparse_block, qk_scale, BLOCK_N, STAGES, LAYOUT_MASK, False,
+                )  # fmt: skip
+            else:
+                b_m, b_l, b_seen, b_acc = _attend_tile(
+                    b_m, b_l, b_seen, b_acc, k + t, p_tile, q_buf, k_smem, v_smem, v_own, ready, empty, o_m,
+                    m_m, p_mask_row, seq_len, sparse_block, qk_scale, BLOCK_N, STAGES, LAYOUT_MASK, True,
+                )  # fmt: skip
+        k += count
+
+        # The next item's Q, loading during this one's epilogue.
+        w_next = w + gl.num_programs(0)
+        n_b, n_qt, n_h, _, _, _, _ = _work(gl.minimum(w_next, num_items - 1), num_tiles, *lists)
+        _, m_next, tok_next, _ = _query_rows(n_b, n_qt, seq_lens, query_start_loc, CONSUMER, ROWS, row_io)
+        p_q = q + tok_next[:, None] * stride_qt + n_h * stride_qh + o_d_io[None, :]
+        b_q = gl.load(p_q, mask=(m_next & (w_next < num_items))[:, None], other=0.0)
+
+        # finalize (kernels/_common.py): the NaN rule, rows with no key.
+        b_l = gl.convert_layout(b_l, row_o)
+        b_m = gl.convert_layout(b_m, row_o)
+        seen = gl.convert_layout(b_seen, row_o) != 0
+        m_bad = (b_l != b_l) | (
+            gl.sum(((b_acc != b_acc) | (gl.abs(b_acc) == float("inf"))).to(gl.int32), 1) > 0
+        )
+        b_l_safe = gl.where(seen, b_l, 1.0)
+        b_out = gl.where(seen[:, None], b_acc / b_l_safe[:, None], 0.0)
+        b_lse = gl.where(seen, (b_m * qk_scale + gl.log2(b_l_safe)) * LN2, NEG_INF)
+        b_out = gl.where(m_bad[:, None], float("nan"), b_out)
+        b_lse = gl.where(m_bad, float("nan"), b_lse)
+
+        _, m_m_io, o_tok_io, _ = _query_rows(i_b, i_qt, seq_lens, query_start_loc, CONSUMER, ROWS, row_io)
+        b_out = gl.convert_layout(b_out.to(dtype), io_layout)
+        o_out = o_tok_io[:, None] * num_heads + i_h
+        gl.store(out + o_out * HEAD_DIM + o_d_io[None, :], b_out, mask=m_m_io[:, None])
+        gl.store(lse + o_tok_io * num_heads + i_h, gl.convert_layout(b_lse, row_io), mask=m_m_io)
+
+
+# Persistent: a program an SM (the grid's size), work items in the walk order of `_work`.
 @gluon.jit(do_not_specialize=NOT_SPECIALIZED)
 def hopper_prefill_kernel(
     q,
@@ -165,7 +456,6 @@ def hopper_prefill_kernel(
     v_desc,
     stride_qt,
     stride_qh,
-    stride_qd,
     qk_scale,
     block_tables,
     seq_lens,
@@ -183,196 +473,62 @@ def hopper_prefill_kernel(
     page_size,
     group,
     cache_rows,
+    num_tiles,
+    num_heads,
     HEAD_DIM: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     PAGE_ROWS: gl.constexpr,
     STAGES: gl.constexpr,
     LAYOUT_MASK: gl.constexpr,
-    Q_IN_REGS: gl.constexpr,
+    CONSUMER_REGISTERS: gl.constexpr,
+    PRODUCER_REGISTERS: gl.constexpr,
 ):
-    NUM_WARPS: gl.constexpr = gl.num_warps()
     dtype: gl.constexpr = k_desc.dtype
-    # One warp group: wgmma's M is 64 rows; scores [BLOCK_M, BLOCK_N], accumulator [BLOCK_M, HEAD_DIM].
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, HEAD_DIM, 16]
-    )
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    io_layout: gl.constexpr = _io_layout(HEAD_DIM, NUM_WARPS)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    row_io: gl.constexpr = gl.SliceLayout(1, io_layout)
-    col_io: gl.constexpr = gl.SliceLayout(0, io_layout)
-
-    i_t = (gl.num_programs(0) - 1 - gl.program_id(0)).to(gl.int64)
-    i_h = gl.program_id(1).to(gl.int64)
-    num_heads = gl.num_programs(1)
-    i_b = gl.load(tiles + 2 * i_t).to(gl.int64)
-    i_qt = gl.load(tiles + 2 * i_t + 1)
-    q_begin = gl.load(query_start_loc + i_b)
-    q_len = gl.load(query_start_loc + i_b + 1) - q_begin
-    seq_len = gl.load(seq_lens + i_b)
-    context = seq_len - q_len
-
-    # Q [BLOCK_M, HEAD_DIM] into shared memory (wgmma's A operand), rows outside the queries zero.
-    o_m_io = i_qt * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_io)
-    m_m_io = (o_m_io >= context) & (o_m_io < seq_len)
-    o_tok_io = (q_begin + o_m_io - context).to(gl.int64)
-    o_d_io = gl.arange(0, HEAD_DIM, layout=col_io)
-    m_md_io = m_m_io[:, None] & (o_d_io[None, :] < HEAD_DIM)
-    b_q = gl.load(
-        q + o_tok_io[:, None] * stride_qt + i_h * stride_qh + o_d_io[None, :] * stride_qd,
-        mask=m_md_io,
-        other=0.0,
-    )
-    if Q_IN_REGS:
-        q_smem = gl.convert_layout(b_q, gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
-    else:
-        q_smem = gl.allocate_shared_memory(
-            dtype, [BLOCK_M, HEAD_DIM], gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype), b_q
-        )
-
+    ROWS: gl.constexpr = BLOCK_M // 2
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
+    v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_layout)
+    v_own_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], v_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
-    # Q's generic-proxy stores and the barriers' initialization, before wgmma and TMA read them.
-    fence_async_shared()
-    gl.thread_barrier()
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2 * CONSUMER_THREADS)  # every consumer thread arrives
+    fence_async_shared()  # the barriers' initialization, before TMA signals them
 
-    kv_col = ((i_h // group) * HEAD_DIM).to(gl.int32)
-    p_bt = block_tables + i_b * stride_bt
-    p_full = tile_lists + i_qt.to(gl.int64) * stride_list_tile + i_h * stride_list_head
-    p_partial = p_full + stride_list_kind
-    n_full = gl.load(p_full)
-    count = n_full + gl.load(p_partial)
-    box_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-    o_box = gl.arange(0, BLOCK_N // PAGE_ROWS, layout=box_layout)
-    for i in gl.static_range(STAGES):
-        n_i = gl.load(_tile_ptr(p_full, p_partial, i, n_full), mask=i < count, other=0) * BLOCK_N
-        rows = _page_rows(n_i, p_bt, seq_len, page_size, cache_rows, i < count, o_box, PAGE_ROWS)
-        if i < STAGES - 1:
-            _issue_tile(
-                k_desc,
-                v_desc,
-                k_smem.index(i),
-                v_smem.index(i),
-                bars.index(i),
-                rows,
-                kv_col,
-                i < count,
-                o_box,
-                BLOCK_N,
-                PAGE_ROWS,
-            )
-    # rows: the boxes of the tile STAGES - 1, issued in the loop's first iteration.
-
-    # Each row's position and whether it is a real row, in the scores' layout.
-    o_m = i_qt * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
-    m_m = (o_m >= context) & (o_m < seq_len)
-    qb = gl.minimum(o_m // sparse_block, num_blocks - 1)
-    p_mask_row = block_mask + i_h * stride_mask_head + qb * num_blocks
-    b_m = gl.full([BLOCK_M], FINITE_MIN, gl.float32, row_s)
-    b_l = gl.zeros([BLOCK_M], gl.float32, row_s)
-    b_seen = gl.zeros([BLOCK_M], gl.int32, row_s)
-    b_acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-
-    # The first tile's scores (a walk with no tile computes them on an unfilled slot, unused).
-    mbarrier.wait(bars.index(0), 0, pred=count > 0)
-    b_s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    b_s = warpgroup_mma_wait(num_outstanding=0, deps=(b_s,))
-    for t in range(count):
-        slot = t % STAGES
-        # The start of the tile STAGES ahead, loaded now and read at this iteration's end: the table
-        # lookups behind the next TMA copies wait for no load of their own iteration.
-        n_far = (
-            gl.load(_tile_ptr(p_full, p_partial, t + STAGES, n_full), mask=t + STAGES < count, other=0)
-            * BLOCK_N
-        )
-        # The next tile's scores run on the tensor cores during this tile's softmax (on the last tile
-        # they are computed on a slot nothing refills, and dropped).
-        nxt = t + 1
-        mbarrier.wait(bars.index(nxt % STAGES), (nxt // STAGES) & 1, pred=nxt < count)
-        s_next = warpgroup_mma(
-            q_smem, k_smem.index(nxt % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True
-        )
-
-        # The NaN rule and the masks, as `attend` (kernels/_common.py).
-        b_s = b_s + b_s * 0.0
-        partial = t >= n_full
-        if partial:
-            n = gl.load(_tile_ptr(p_full, p_partial, t, n_full)) * BLOCK_N
-            o_n = n + gl.arange(0, BLOCK_N, layout=col_s)
-            m_s = (o_n[None, :] <= o_m[:, None]) & (o_n[None, :] < seq_len) & m_m[:, None]
-            if LAYOUT_MASK == 0:  # MASK_ELEMENTS
-                m_s = m_s & (
-                    gl.load(p_mask_row[:, None] + o_n[None, :] // sparse_block, mask=m_s, other=0) != 0
-                )
-            elif LAYOUT_MASK == 1:  # MASK_ROWS
-                m_s = m_s & (gl.load(p_mask_row + n // sparse_block, mask=m_m, other=0) != 0)[:, None]
-            # Keys whose V holds NaN or Inf: zeroed in the slot and seen as a NaN score instead; keys
-            # past the sequence end (rows of its last page that hold anything) zeroed too.
-            v_buf = v_smem.index(slot)
-            b_v = v_buf.load(io_layout)
-            o_n_io = n + gl.arange(0, BLOCK_N, layout=row_io)
-            m_v_bad = gl.max(((b_v != b_v) | (gl.abs(b_v) == float("inf"))).to(gl.int32), 1) > 0
-            b_v = gl.where((m_v_bad | (o_n_io >= seq_len))[:, None], gl.zeros_like(b_v), b_v)
-            v_buf.store(b_v)
-            fence_async_shared()
-            gl.thread_barrier()
-            b_s = gl.where(gl.convert_layout(m_v_bad, col_s)[None, :], float("nan"), b_s)
-            b_s = gl.where(m_s, b_s, NEG_INF)
-            b_seen = gl.maximum(b_seen, gl.max(m_s.to(gl.int32), 1))
-        else:
-            b_seen = gl.full([BLOCK_M], 1, gl.int32, row_s)
-        b_m_new = gl.maximum(b_m, gl.max(b_s, 1))
-        b_alpha = gl.exp2((b_m - b_m_new) * qk_scale)
-        b_p = gl.exp2((b_s - b_m_new[:, None]) * qk_scale)
-        if partial:
-            # (-inf) * 0 is NaN when scale == 0: masked weights are set, not computed.
-            b_p = gl.where(b_s != NEG_INF, b_p, 0.0)
-        b_l = b_l * b_alpha + gl.sum(b_p, 1)
-        b_m = b_m_new
-
-        b_acc = b_acc * gl.convert_layout(b_alpha, row_o)[:, None]
-        b_acc = warpgroup_mma(
-            gl.convert_layout(b_p.to(dtype), p_layout), v_smem.index(slot), b_acc, is_async=True
-        )
-        # The previous tile's slot is free (in every warp group: wgmma waits are per warp group, so
-        # with two, a barrier): refill it STAGES - 1 tiles ahead, while this tile's P.V runs.
-        if NUM_WARPS > 4:
-            gl.thread_barrier()
-        ahead = t + STAGES - 1
-        slot_ahead = ahead % STAGES
-        _issue_tile(
-            k_desc, v_desc, k_smem.index(slot_ahead), v_smem.index(slot_ahead), bars.index(slot_ahead), rows,
-            kv_col, ahead < count, o_box, BLOCK_N, PAGE_ROWS,
-        )  # fmt: skip
-        rows = _page_rows(n_far, p_bt, seq_len, page_size, cache_rows, t + STAGES < count, o_box, PAGE_ROWS)
-        # Both products done within the iteration: an accumulator still in flight at the loop's back
-        # edge makes ptxas serialize every wgmma of the kernel (warning C7514).
-        b_s, b_acc = warpgroup_mma_wait(num_outstanding=0, deps=(s_next, b_acc))
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(i))
-
-    # finalize (kernels/_common.py): the NaN rule, rows with no key.
-    b_l = gl.convert_layout(b_l, row_o)
-    b_m = gl.convert_layout(b_m, row_o)
-    seen = gl.convert_layout(b_seen, row_o) != 0
-    m_bad = (b_l != b_l) | (gl.sum(((b_acc != b_acc) | (gl.abs(b_acc) == float("inf"))).to(gl.int32), 1) > 0)
-    b_l_safe = gl.where(seen, b_l, 1.0)
-    b_out = gl.where(seen[:, None], b_acc / b_l_safe[:, None], 0.0)
-    b_lse = gl.where(seen, (b_m * qk_scale + gl.log2(b_l_safe)) * LN2, NEG_INF)
-    b_out = gl.where(m_bad[:, None], float("nan"), b_out)
-    b_lse = gl.where(m_bad, float("nan"), b_lse)
-
-    b_out = gl.convert_layout(b_out.to(dtype), io_layout)
-    o_out = o_tok_io[:, None] * num_heads + i_h
-    gl.store(out + o_out * HEAD_DIM + o_d_io[None, :], b_out, mask=m_md_io)
-    gl.store(lse + o_tok_io * num_heads + i_h, gl.convert_layout(b_lse, row_io), mask=m_m_io)
+    # The default partition (the launch's 4 warps) is the first consumer.
+    gl.warp_specialize(
+        [
+            (
+                _consumer,
+                (
+                    q, out, lse, k_smem, v_smem, q_smem, v_own_smem, ready, empty, stride_qt, stride_qh,
+                    qk_scale, seq_lens, query_start_loc, tiles, tile_lists, block_mask, stride_list_kind,
+                    stride_list_tile, stride_list_head, stride_mask_head, num_blocks, sparse_block,
+                    num_tiles, num_heads, BLOCK_N, STAGES, LAYOUT_MASK, 0,
+                ),
+            ),
+            (
+                _consumer,
+                (
+                    q, out, lse, k_smem, v_smem, q_smem, v_own_smem, ready, empty, stride_qt, stride_qh,
+                    qk_scale, seq_lens, query_start_loc, tiles, tile_lists, block_mask, stride_list_kind,
+                    stride_list_tile, stride_list_head, stride_mask_head, num_blocks, sparse_block,
+                    num_tiles, num_heads, BLOCK_N, STAGES, LAYOUT_MASK, 1,
+                ),
+            ),
+            (
+                _producer,
+                (
+                    k_desc, v_desc, k_smem, v_smem, ready, empty, block_tables, seq_lens, tiles, tile_lists,
+                    stride_bt, stride_list_kind, stride_list_tile, stride_list_head, page_size, group,
+                    cache_rows, num_tiles, num_heads, BLOCK_N, PAGE_ROWS, STAGES,
+                ),
+            ),
+        ],
+        [4, 1],
+        [CONSUMER_REGISTERS, PRODUCER_REGISTERS],
+    )  # fmt: skip

@@ -211,7 +211,7 @@ class PrefillPlan:
         hopper = hopper_prefill.supports(batch, q, cache_contiguous)
         if hopper:  # the Triton fallback (misaligned run tensors) walks the Hopper path's tiles
             block_m, block_n = hopper_prefill.BLOCK_M, hopper_prefill.BLOCK_N
-            num_warps, num_stages = CONFIGS_GPU[(False, True)][2:]
+            num_warps, num_stages = hopper_prefill.FALLBACK_WARPS, 2
         tiles = _query_tiles(batch, block_m)
         self.grid = (len(tiles), batch.num_heads)
         self.hopper = None

@@ -2,7 +2,7 @@
 kernel it replaces on sm_90 (GPU only).
 
 `python3 -m reports.hopper_ab --out DIR [--only times,profile]`: the planned times of both paths
-(and of the Hopper path with Q in registers) on rows of the kernel benchmark (reports/bench_kernels.py),
+on rows of the kernel benchmark (reports/bench_kernels.py),
 in one process; `profile` runs each path once on the 8k Phi-3 prefill, for ncu. Writes hopper-ab.json
 under DIR and prints a table. The Hopper path's verdicts: tests/kernels/test_hopper_prefill.py.
 """
@@ -26,7 +26,7 @@ prefill = importlib.import_module("kernels.paged_prefill")
 @contextlib.contextmanager
 def hopper_path(enabled: bool, **settings):
     """Within the block, plans take the Hopper path iff `enabled` (and the call supports it), with
-    these module settings of kernels/hopper_prefill.py (BLOCK_M, NUM_WARPS, Q_IN_REGS, ...)."""
+    these module settings of kernels/hopper_prefill.py (STAGES, CONSUMER_REGISTERS, ...)."""
     settings["ENABLED"] = enabled
     original = {name: getattr(hopper, name) for name in settings}
     for name, value in settings.items():
@@ -42,14 +42,20 @@ def hopper_path(enabled: bool, **settings):
 # (name, takes the Hopper path, settings of kernels/hopper_prefill.py)
 PATHS = (
     ("hopper", True, {}),
-    ("hopper_qregs", True, {"Q_IN_REGS": True}),
     ("triton", False, {}),
 )
-TIME_ROWS = ((8192, 8192, "phi3", 16), (8192, 8192, "phi3", 64), (8192, 832, "phi3", 16),
-             (32768, 32768, "phi3", 16), (8192, 8192, "dense", 16))  # fmt: skip
+# (tokens, queries, layout, page size): the issue's rows (reports/bench_kernels.py's VLLM_MS), with pages
+# of 64 and dense causal at 8k before the slow 128k rows.
+PHI3_ROWS = [(n, q, "phi3", 16) for n, q in bk.VLLM_MS]
+TIME_ROWS = (
+    [row for row in PHI3_ROWS if row[0] < 131072]
+    + [(8192, 8192, "phi3", 64), (8192, 8192, "dense", 16)]
+    + [row for row in PHI3_ROWS if row[0] >= 131072]
+)
 
 
-def times() -> list[dict]:
+def times(save) -> list[dict]:
+    """The rows' times; `save(rows)` after each row (a run cut short keeps what it measured)."""
     gen = torch.Generator().manual_seed(0)
     rows = []
     for n, queries, layout_name, page in TIME_ROWS:
@@ -75,11 +81,12 @@ def times() -> list[dict]:
             line += f" {path} {ms:.3f} ms ({p.tflops(ms):.0f} TF/s, {us:.0f} us)"
         print(line + f" diff {row['max_abs_diff']:.1e} vllm {vllm}", flush=True)
         rows.append(row)
+        save(rows)
     bk.PAGE_SIZE = 16
     return rows
 
 
-def profile() -> list[dict]:
+def profile(save) -> list[dict]:
     """One run of each path on the 8k Phi-3 prefill, for ncu (-k regex:prefill_kernel)."""
     p = bk.Prefill(8192, 8192, bk.phi3_layout(), torch.Generator().manual_seed(0))
     for on in (True, False):
@@ -96,9 +103,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"device": torch.cuda.get_device_name()}
-    for part in args.only.split(","):
-        result[part] = {"times": times, "profile": profile}[part]()
+
+    def save(part, rows):
+        result[part] = rows
         (args.out / "hopper-ab.json").write_text(json.dumps(result, indent=1))
+
+    for part in args.only.split(","):
+        save(part, {"times": times, "profile": profile}[part](functools.partial(save, part)))
     return 0
 
 

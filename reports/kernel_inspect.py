@@ -53,6 +53,7 @@ CASES = {
     "decode-dense": (AttentionCase(0, (4096,) * 4, (1,) * 4, 32, 8, 128, 16, "bfloat16"), True),
     "decode-phi3": (AttentionCase(0, (4096,) * 4, (1,) * 4, 32, 8, 128, 16, "bfloat16", layout=PHI3), True),
 }
+H200_SMS = 132  # the Hopper path's persistent grid
 DECODE_SPLITS = 8  # what _num_splits picks needs a device; any count compiles the same kernel
 
 
@@ -63,6 +64,7 @@ def intercepted_launches(hopper: bool):
     launches, original = [], jit.JITFunction.run
     on_hopper, hopper_module.on_hopper = hopper_module.on_hopper, lambda device: hopper
     enabled, hopper_module.ENABLED = hopper_module.ENABLED, hopper
+    num_sms, hopper_module.num_sms = hopper_module.num_sms, lambda device: H200_SMS
 
     def record(self, *args, grid, warmup, **kwargs):
         launches.append((self, args, kwargs))
@@ -75,6 +77,7 @@ def intercepted_launches(hopper: bool):
         jit.JITFunction.run = original
         decode_module._num_splits = splits
         hopper_module.on_hopper, hopper_module.ENABLED = on_hopper, enabled
+        hopper_module.num_sms = num_sms
 
 
 def compile_for(kernel, args, kwargs, arch: int):

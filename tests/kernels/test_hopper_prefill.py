@@ -54,6 +54,7 @@ CASES = {
 NON_FINITE = [
     ("dense-ctx223-q777-P16", "v_cache", 500, 3, math.nan),
     ("dense-ctx223-q777-P16", "v_cache", 990, 0, math.inf),  # in the last rows' diagonal tile
+    ("dense-ctx223-q777-P16", "v_cache", 1003, 2, math.inf),  # past the sequence end, in its last page
     ("dense-ctx223-q777-P16", "k_cache", 100, 7, -math.inf),
     ("elements-S16-P32", "v_cache", 590, 1, math.nan),
 ]
