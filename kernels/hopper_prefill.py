@@ -226,11 +226,11 @@ def _producer(
 
 @gluon.jit
 def _attend_tile(
-    b_m, b_l, b_seen, b_acc, k, p_tile, q_buf, k_smem, v_smem, v_own, ready, empty, o_m, m_m, p_mask_row,
+    b_m, b_l, b_seen, b_acc, k, n, q_buf, k_smem, v_smem, v_own, ready, empty, o_m, m_m, p_mask_row,
     seq_len, sparse_block, qk_scale,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, LAYOUT_MASK: gl.constexpr, PARTIAL: gl.constexpr,
 ):  # fmt: skip
-    """The k-th key tile of the ring (its start listed at p_tile) into the online softmax state, as
+    """The k-th key tile of the ring (starting at key n) into the online softmax state, as
     `attend` (kernels/_common.py); then its slot is released."""
     ROWS: gl.constexpr = q_buf.type.shape[0]
     HEAD_DIM: gl.constexpr = q_buf.type.shape[1]
@@ -253,7 +253,6 @@ def _attend_tile(
     b_s = b_s + b_s * 0.0  # the NaN rule: an infinite score is seen as NaN
     v_buf = v_smem.index(slot)
     if PARTIAL:
-        n = gl.load(p_tile) * BLOCK_N
         o_n = n + gl.arange(0, BLOCK_N, layout=col_s)
         m_s = (o_n[None, :] <= o_m[:, None]) & (o_n[None, :] < seq_len) & m_m[:, None]
         if LAYOUT_MASK == 0:  # MASK_ELEMENTS
@@ -386,8 +385,9 @@ def _consumer(
         b_acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
         for t in range(n_full):
             b_m, b_l, b_seen, b_acc = _attend_tile(
-                b_m, b_l, b_seen, b_acc, k + t, p_full + 1 + t, q_buf, k_smem, v_smem, v_own, ready, empty,
-                o_m, m_m, p_mask_row, seq_len, sparse_block, qk_scale, BLOCK_N, STAGES, LAYOUT_MASK, False,
+                b_m, b_l, b_seen, b_acc, k + t, gl.load(p_full + 1 + t) * BLOCK_N, q_buf, k_smem, v_smem,
+                v_own, ready, empty, o_m, m_m, p_mask_row, seq_len, sparse_block, qk_scale, BLOCK_N, STAGES,
+                LAYOUT_MASK, False,
             )  # fmt: skip
         # A tile partial for the 128-row query tile is often none of this group's business, or whole
         # for it (the local window's edge blocks, the diagonal's halves): those take no masks.
@@ -398,9 +398,9 @@ def _consumer(
             + gl.minimum(first_row // sparse_block, num_blocks - 1) * num_blocks
         )
         for t in range(n_full, count):
-            p_tile = p_partial + 1 + (t - n_full)
+            n = gl.load(p_partial + 1 + (t - n_full)) * BLOCK_N
             mode = _tile_mode(
-                gl.load(p_tile) * BLOCK_N, first_row, seq_len, p_block_row, sparse_block, ROWS, BLOCK_N,
+                n, first_row, seq_len, p_block_row, sparse_block, ROWS, BLOCK_N,
                 LAYOUT_MASK,
             )  # fmt: skip
             if mode == SKIP:
@@ -409,12 +409,12 @@ def _consumer(
                 async_copy.mbarrier_arrive(empty.index(slot), increment_count=False)
             elif mode == WHOLE:
                 b_m, b_l, b_seen, b_acc = _attend_tile(
-                    b_m, b_l, b_seen, b_acc, k + t, p_tile, q_buf, k_smem, v_smem, v_own, ready, empty, o_m,
+                    b_m, b_l, b_seen, b_acc, k + t, n, q_buf, k_smem, v_smem, v_own, ready, empty, o_m,
                     m_m, p_mask_row, seq_len, sparse_block, qk_scale, BLOCK_N, STAGES, LAYOUT_MASK, False,
                 )  # fmt: skip
             else:
                 b_m, b_l, b_seen, b_acc = _attend_tile(
-                    b_m, b_l, b_seen, b_acc, k + t, p_tile, q_buf, k_smem, v_smem, v_own, ready, empty, o_m,
+                    b_m, b_l, b_seen, b_acc, k + t, n, q_buf, k_smem, v_smem, v_own, ready, empty, o_m,
                     m_m, p_mask_row, seq_len, sparse_block, qk_scale, BLOCK_N, STAGES, LAYOUT_MASK, True,
                 )  # fmt: skip
         k += count
