@@ -4,6 +4,8 @@
 spec: `reference.paged_prefill.paged_prefill`, through `kernels.paged_prefill.PrefillPlan`, which
 takes this path when `ENABLED` is set and `supports(...)` holds, and falls back to the Triton kernel
 otherwise (and for a run whose caches are not 16-byte aligned, which the tensor-memory copies need).
+A launch allocates 256 bytes a program for the K and V caches' TMA descriptors through Triton's
+allocator (`triton.set_allocator`); where the calling thread has none, a run sets torch's.
 The grid is persistent (a program an SM, each taking every `num_programs`-th (query tile, head) of
 the walk order), and a program runs three warp-specialized parts on 128-row query tiles:
 - a producer warp walks each tile's lists and copies its key tiles' K and V by TMA, page by page
@@ -22,6 +24,7 @@ contiguous (a TMA descriptor needs `[num_pages * page_size, num_kv_heads * head_
 """
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -36,12 +39,14 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels._common import BoundLaunch, interpreted
 
-# Off: 1.24-1.36x faster than the Triton kernel on the H200 at 8k to 128k tokens, but its launch
-# enqueues in 42-108 µs (two TMA descriptors encoded a run) against a 40 µs target, and with 832
-# queries its 128-row tiles leave too few programs (reports/gpu/kernel-ab.md §10).
-# reports/hopper_ab.py and tests/kernels/test_hopper_prefill.py turn it on.
-ENABLED = False
+# On: 1.17-1.40x faster than the Triton kernel on the H200 at every row of reports/hopper_ab.py, and
+# its launch enqueues within 5 µs of the Triton kernel's (reports/gpu/kernel-ab.md §11).
+ENABLED = True
 BLOCK_M, BLOCK_N, STAGES = 128, 64, 3
+# Each program makes its caches' TMA descriptors from their pointers (256 bytes of scratch a program),
+# instead of the launcher encoding two host-made ones on every run: 27 µs of host time a launch
+# instead of 57 (reports/gpu/kernel-ab.md §11).
+DEVICE_DESCRIPTORS = True
 # Registers are set per warp group (setmaxnreg): the two consumers' and the producer's (one warp of a
 # group of 4) fill the register file at 168 a thread on average, one program an SM.
 MAX_REGISTERS, CONSUMER_REGISTERS, PRODUCER_REGISTERS = 168, 240, 24
@@ -112,6 +117,7 @@ def launch(grid, device: torch.device, planned: dict, descriptors: "CacheDescrip
         HEAD_DIM=descriptors.block[1],
         PAGE_ROWS=descriptors.block[0],
         STAGES=STAGES,
+        DEVICE_DESCRIPTORS=DEVICE_DESCRIPTORS,
         CONSUMER_REGISTERS=CONSUMER_REGISTERS,
         PRODUCER_REGISTERS=PRODUCER_REGISTERS,
         num_warps=4,  # the default partition: the first consumer
@@ -120,7 +126,9 @@ def launch(grid, device: torch.device, planned: dict, descriptors: "CacheDescrip
 
 
 class CacheDescriptors:
-    """Builds the per-run TMA descriptors of the K and V caches (their base pointers change per layer)."""
+    """What the kernel takes for the K and V caches of a run (their base pointers change per layer):
+    the caches themselves, whose TMA descriptors each program makes (`DEVICE_DESCRIPTORS`, fixed at
+    planning), or host-made descriptors, which the launcher encodes on every run."""
 
     def __init__(self, k_cache: torch.Tensor):
         num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
@@ -128,9 +136,33 @@ class CacheDescriptors:
         self.strides = [num_kv_heads * head_dim, 1]
         self.block = [min(page_size, BLOCK_N), head_dim]
         self.layout = gl.NVMMASharedLayout.get_default_for(self.block, GL_DTYPES[k_cache.dtype])
+        self.on_device = DEVICE_DESCRIPTORS
 
-    def __call__(self, cache: torch.Tensor) -> TensorDescriptor:
+    def __call__(self, cache: torch.Tensor) -> "TensorDescriptor | torch.Tensor":
+        if self.on_device:
+            # The launch takes the programs' descriptor scratch from Triton's allocator, a context
+            # variable: set in each thread on its first run, unless the caller has set one.
+            if triton.runtime._allocation._allocator.get() is triton.runtime._allocation._NULL_ALLOCATOR:
+                triton.set_allocator(_scratch)
+            return cache
         return TensorDescriptor(cache, self.shape, self.strides, self.block, self.layout)
+
+
+_SCRATCH: dict = {}
+
+
+def _scratch(size: int, alignment: int, stream: int) -> torch.Tensor:
+    """A launch's descriptor scratch: one buffer a (device, stream, size), since a stream runs its
+    launches one after another and each program writes its descriptors before it reads them (a fresh
+    torch allocation cost µs of every launch); torch's blocks are 512-byte aligned. A launch captured
+    in a CUDA graph gets its own, from the graph's pool: a replay may run beside eager launches."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.empty(size, dtype=torch.int8, device="cuda")
+    key = (torch.cuda.current_device(), stream, size)
+    buffer = _SCRATCH.get(key)
+    if buffer is None:
+        buffer = _SCRATCH[key] = torch.empty(size, dtype=torch.int8, device="cuda")
+    return buffer
 
 
 @gluon.constexpr_function
@@ -179,13 +211,21 @@ def _page_rows(n, p_bt, seq_len, page_size, cache_rows, pred, o_box, PAGE_ROWS: 
 
 @gluon.jit
 def _producer(
-    k_desc, v_desc, k_smem, v_smem, ready, empty, block_tables, seq_lens, tiles, tile_lists, stride_bt,
+    k_cache, v_cache, k_smem, v_smem, ready, empty, block_tables, seq_lens, tiles, tile_lists, stride_bt,
     stride_list_kind, stride_list_tile, stride_list_head, page_size, group, cache_rows, num_tiles,
-    num_heads, BLOCK_N: gl.constexpr, PAGE_ROWS: gl.constexpr, STAGES: gl.constexpr,
+    num_heads, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_ROWS: gl.constexpr, STAGES: gl.constexpr,
+    DEVICE_DESCRIPTORS: gl.constexpr,
 ):  # fmt: skip
     """Copies the key tiles of the program's work items, in walk order, into the ring: the k-th tile
     goes to slot k % STAGES once both consumers have released it (`empty`), and completes on `ready`."""
-    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
+    if DEVICE_DESCRIPTORS:  # the caches are pointers: their descriptors are made here, once a program
+        layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAGE_ROWS, HEAD_DIM], k_smem.dtype)
+        width = (num_heads // group) * HEAD_DIM
+        shape = [cache_rows, width]
+        k_desc = tma.make_tensor_descriptor(k_cache, shape, [width, 1], [PAGE_ROWS, HEAD_DIM], layout)
+        v_desc = tma.make_tensor_descriptor(v_cache, shape, [width, 1], [PAGE_ROWS, HEAD_DIM], layout)
+    else:
+        k_desc, v_desc = k_cache, v_cache
     BOXES: gl.constexpr = BLOCK_N // PAGE_ROWS
     # Every thread holds every box's row: picking one out is a register select, not a reduction.
     box_layout: gl.constexpr = gl.BlockedLayout([BOXES], [32], [gl.num_warps()], [0])
@@ -452,8 +492,8 @@ def hopper_prefill_kernel(
     q,
     out,
     lse,
-    k_desc,
-    v_desc,
+    k_cache,
+    v_cache,
     stride_qt,
     stride_qh,
     qk_scale,
@@ -481,15 +521,17 @@ def hopper_prefill_kernel(
     PAGE_ROWS: gl.constexpr,
     STAGES: gl.constexpr,
     LAYOUT_MASK: gl.constexpr,
+    DEVICE_DESCRIPTORS: gl.constexpr,
     CONSUMER_REGISTERS: gl.constexpr,
     PRODUCER_REGISTERS: gl.constexpr,
 ):
-    dtype: gl.constexpr = k_desc.dtype
+    dtype: gl.constexpr = q.dtype.element_ty
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAGE_ROWS, HEAD_DIM], dtype)
     ROWS: gl.constexpr = BLOCK_M // 2
     q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, HEAD_DIM], dtype)
     v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
     q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_layout)
     v_own_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], v_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -523,9 +565,10 @@ def hopper_prefill_kernel(
             (
                 _producer,
                 (
-                    k_desc, v_desc, k_smem, v_smem, ready, empty, block_tables, seq_lens, tiles, tile_lists,
+                    k_cache, v_cache, k_smem, v_smem, ready, empty, block_tables, seq_lens, tiles, tile_lists,
                     stride_bt, stride_list_kind, stride_list_tile, stride_list_head, page_size, group,
-                    cache_rows, num_tiles, num_heads, BLOCK_N, PAGE_ROWS, STAGES,
+                    cache_rows, num_tiles, num_heads, HEAD_DIM, BLOCK_N, PAGE_ROWS, STAGES,
+                    DEVICE_DESCRIPTORS,
                 ),
             ),
         ],

@@ -20,10 +20,11 @@
 #                                             deliberately broken (keyed without pointer alignment):
 #                                             its test must fail
 #   bash reports/gpu_check.sh OUT_DIR hopper   the Hopper path's tests (tests/kernels/test_hopper_prefill.py),
-#                                             once more with its V fix-up broken and with a
-#                                             partial tile taken whole unasked (both must fail),
-#                                             its same-process A/B against the Triton kernel
-#                                             (reports/hopper_ab.py) and ncu's stall reasons for both
+#                                             once more with each of three parts broken (each must
+#                                             fail), its same-process A/B against the Triton kernel
+#                                             (reports/hopper_ab.py; HOPPER_AB_ARGS="--variants
+#                                             --previous .ab" adds its variants and the previous
+#                                             commit's, carry .ab) and ncu's stall reasons
 #   bash reports/gpu_check.sh OUT_DIR verdicts-rest    sharpness and false alarms on the GPU
 #                                             (sharpness.md), and an illegal memory access in the
 #                                             campaign (worker replaced), in --replay and in pytest
@@ -82,27 +83,31 @@ case $part in
   hopper)
     step 180 tests python3 -m pytest tests/kernels/test_hopper_prefill.py -q -p no:cacheprovider -n 4
     tail -n 3 "$out/tests.log" >> "$out/summary.txt"
-    # Broken on purpose: the consumers' copy of V keeps its non-finite rows. The tests with a
-    # non-finite V must fail.
+    # Broken on purpose, one capability each (name, sed edit, what the edit leaves, the tests that
+    # must fail):
+    # - v-copy: the consumers' copy of V keeps its non-finite rows (the non-finite V cases);
+    # - mode: a group sees every layout block of its partial tiles, and takes the ones it does not
+    #   see whole (the layout cases);
+    # - descriptor: the programs' TMA descriptors end a page short of the caches (every case whose
+    #   block table reaches the caches' last page).
     broken=/tmp/broken-hopper
     rm -rf "$broken" && mkdir -p "$broken" && tar --exclude=./.ab -cf - . | tar -xf - -C "$broken"
-    sed -i 's/v_own.store(gl.where(m_v_bad\[:, None\], gl.zeros_like(b_v), b_v))/v_own.store(b_v)/' \
-      "$broken/kernels/hopper_prefill.py"
-    grep -q "v_own.store(b_v)" "$broken/kernels/hopper_prefill.py" || echo "broken-hopper: the edit did not apply" >> "$out/summary.txt"
-    (cd "$broken" && step 100 broken-hopper python3 -m pytest tests/kernels/test_hopper_prefill.py -k v_cache -q -p no:cacheprovider -n 4)
-    tail -n 6 "$out/broken-hopper.log" >> "$out/summary.txt"
-    # Broken on purpose: a group sees every layout block of its partial tiles (it takes the ones it
-    # does not see whole). The layout tests must fail.
-    cp kernels/hopper_prefill.py "$broken/kernels/hopper_prefill.py"
-    sed -i 's/mask=uniform, other=1) != 0/mask=uniform, other=1) >= 0/' "$broken/kernels/hopper_prefill.py"
-    grep -q "mask=uniform, other=1) >= 0" "$broken/kernels/hopper_prefill.py" || echo "broken-mode: the edit did not apply" >> "$out/summary.txt"
-    (cd "$broken" && step 100 broken-mode python3 -m pytest tests/kernels/test_hopper_prefill.py -k "phi3 or rows or none" -q -p no:cacheprovider -n 4)
-    tail -n 6 "$out/broken-mode.log" >> "$out/summary.txt"
-    step 200 hopper-ab python3 -m reports.hopper_ab --out "$out"
+    while IFS='|' read -r name edit left tests; do
+      cp kernels/hopper_prefill.py "$broken/kernels/hopper_prefill.py"
+      sed -i "$edit" "$broken/kernels/hopper_prefill.py"
+      grep -qF "$left" "$broken/kernels/hopper_prefill.py" || echo "broken-$name: the edit did not apply" >> "$out/summary.txt"
+      (cd "$broken" && step 100 "broken-$name" python3 -m pytest tests/kernels/test_hopper_prefill.py -k "$tests" -q -p no:cacheprovider -n 4) < /dev/null
+      tail -n 6 "$out/broken-$name.log" >> "$out/summary.txt"
+    done <<'BREAKS'
+v-copy|s/v_own.store(gl.where(m_v_bad\[:, None\], gl.zeros_like(b_v), b_v))/v_own.store(b_v)/|v_own.store(b_v)|v_cache
+mode|s/mask=uniform, other=1) != 0/mask=uniform, other=1) >= 0/|mask=uniform, other=1) >= 0|phi3 or rows or none
+descriptor|s/shape = \[cache_rows, width\]/shape = [cache_rows - page_size, width]/|shape = [cache_rows - page_size, width]|not v_cache and not k_cache
+BREAKS
+    step 300 hopper-ab python3 -m reports.hopper_ab --out "$out" --only "${HOPPER_AB_PARTS:-times,host}" ${HOPPER_AB_ARGS:-}
     tail -n 5 "$out/hopper-ab.log" >> "$out/summary.txt"
-    step 100 ncu ncu --clock-control none -k regex:prefill_kernel -c 2 \
+    step 100 ncu ncu --clock-control none -k regex:prefill_kernel -c "${NCU_LAUNCHES:-2}" \
       --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed.sum,gpu__time_duration.sum" \
-      python3 -m reports.hopper_ab --out /tmp/hopper-profile --only profile
+      python3 -m reports.hopper_ab --out /tmp/hopper-profile --only profile ${HOPPER_AB_ARGS:-}
     ;;
   kernels)
     step 480 bench-kernels python3 -m reports.bench --only kernels --out "$out" --previous .ab

@@ -1,9 +1,10 @@
 """Same-process A/B of the planned prefill's Hopper path (kernels/hopper_prefill.py) against the Triton
 kernel it replaces on sm_90 (GPU only).
 
-`python3 -m reports.hopper_ab --out DIR [--only times,profile]`: the planned times of both paths
-on rows of the kernel benchmark (reports/bench_kernels.py),
-in one process; `profile` runs each path once on the 8k Phi-3 prefill, for ncu. Writes hopper-ab.json
+`python3 -m reports.hopper_ab --out DIR [--only times,host,profile] [--variants] [--previous DIR]`: the
+planned times of both paths (and of the variants, and of the previous commit's Hopper path) on rows of
+the kernel benchmark (reports/bench_kernels.py), in one process; `host` breaks down the Hopper run's
+host time at 8k; `profile` runs each path once on the 8k Phi-3 prefill, for ncu. Writes hopper-ab.json
 under DIR and prints a table. The Hopper path's verdicts: tests/kernels/test_hopper_prefill.py.
 """
 
@@ -14,36 +15,43 @@ import importlib
 import json
 import pathlib
 import sys
+import time
 
 import torch
 
 from reports import bench_kernels as bk
 
-hopper = importlib.import_module("kernels.hopper_prefill")
-prefill = importlib.import_module("kernels.paged_prefill")
-
 
 @contextlib.contextmanager
-def hopper_path(enabled: bool, **settings):
-    """Within the block, plans take the Hopper path iff `enabled` (and the call supports it), with
-    these module settings of kernels/hopper_prefill.py (STAGES, CONSUMER_REGISTERS, ...)."""
+def hopper_path(enabled: bool, package: str = "kernels", **settings):
+    """Within the block, plans of `package` (`kernels`, or `kernels_prev` of --previous) take the Hopper
+    path iff `enabled` (and the call supports it), with these module settings of its hopper_prefill.py
+    (STAGES, DEVICE_DESCRIPTORS, ...)."""
+    module = importlib.import_module(f"{package}.hopper_prefill")
     settings["ENABLED"] = enabled
-    original = {name: getattr(hopper, name) for name in settings}
+    original = {name: getattr(module, name) for name in settings}
     for name, value in settings.items():
-        setattr(hopper, name, value)
-    prefill._LAST_PLAN.last = None  # the op's remembered plan would keep the other path
+        setattr(module, name, value)
+    importlib.import_module(f"{package}.paged_prefill")._LAST_PLAN.last = None  # it would keep the other path
     try:
-        yield
+        yield importlib.import_module(f"{package}.paged_prefill")
     finally:
         for name, value in original.items():
-            setattr(hopper, name, value)
+            setattr(module, name, value)
 
 
-# (name, takes the Hopper path, settings of kernels/hopper_prefill.py)
-PATHS = (
-    ("hopper", True, {}),
-    ("triton", False, {}),
-)
+# (name, package, takes the Hopper path, settings of its hopper_prefill.py)
+PATHS = [
+    ("hopper", "kernels", True, {}),
+    ("triton", "kernels", False, {}),
+]
+# --variants: the kernel with host-made TMA descriptors (the previous launch)
+VARIANTS = [
+    ("host_descriptors", "kernels", True, {"DEVICE_DESCRIPTORS": False}),
+]
+HOST_DESCRIPTORS = VARIANTS[-1]
+# --previous DIR: the Hopper path of the commit in DIR/kernels_prev (reports/previous_kernels.sh)
+PREVIOUS = ("previous", "kernels_prev", True, {})
 # (tokens, queries, layout, page size): the issue's rows (reports/bench_kernels.py's VLLM_MS), with pages
 # of 64 and dense causal at 8k before the slow 128k rows.
 PHI3_ROWS = [(n, q, "phi3", 16) for n, q in bk.VLLM_MS]
@@ -52,9 +60,10 @@ TIME_ROWS = (
     + [(8192, 8192, "phi3", 64), (8192, 8192, "dense", 16)]
     + [row for row in PHI3_ROWS if row[0] >= 131072]
 )
+ENQUEUE_TOKENS = 8192  # enqueue times are taken at these rows only (the queue is slow to fill at 128k)
 
 
-def times(save) -> list[dict]:
+def times(save, paths) -> list[dict]:
     """The rows' times; `save(rows)` after each row (a run cut short keeps what it measured)."""
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -64,21 +73,21 @@ def times(save) -> list[dict]:
         p = bk.Prefill(n, queries, layout, gen)
         row = {"n": n, "queries": queries, "layout": layout_name, "page": page}
         outs = {}
-        for path, on, settings in PATHS:
-            with hopper_path(on, **settings):
+        for path, package, on, settings in paths:
+            with hopper_path(on, package, **settings) as prefill:
                 plan = prefill.plan_prefill(*p.args(), scale=bk.SCALE, layout=layout)
             row[f"{path}_took_hopper"] = plan.hopper is not None
             run = functools.partial(plan.run, p.q, p.k, p.v)
             outs[path] = run()
             row[f"{path}_ms"] = bk.bench(run)
-            row[f"{path}_enqueue_us"] = bk.enqueue_us(run)
+            row[f"{path}_enqueue_us"] = bk.enqueue_us(run) if n == ENQUEUE_TOKENS else None
         row["max_abs_diff"] = max((outs[k].float() - outs["triton"].float()).abs().max().item() for k in outs)
         vllm = bk.VLLM_MS.get((n, queries)) if layout is not None else None
         line = f"{layout_name} {n} q{queries} P{page}:"
-        for path, _, _ in PATHS:
+        for path, *_ in paths:
             row[f"vllm_over_{path}"] = vllm / row[f"{path}_ms"] if vllm else None
             ms, us = row[f"{path}_ms"], row[f"{path}_enqueue_us"]
-            line += f" {path} {ms:.3f} ms ({p.tflops(ms):.0f} TF/s, {us:.0f} us)"
+            line += f" {path} {ms:.3f} ms ({p.tflops(ms):.0f} TF/s" + (f", {us:.0f} us)" if us else ")")
         print(line + f" diff {row['max_abs_diff']:.1e} vllm {vllm}", flush=True)
         rows.append(row)
         save(rows)
@@ -86,11 +95,43 @@ def times(save) -> list[dict]:
     return rows
 
 
-def profile(save) -> list[dict]:
+def host_parts(save, paths) -> list[dict]:
+    """Host µs per call (medians) at 8k tokens: each path's whole run, and for host-made TMA descriptors
+    (DEVICE_DESCRIPTORS off) the two a run builds and Triton's encoding of each (`make_tensordesc_arg`)."""
+    from triton.backends.nvidia.driver import make_tensordesc_arg
+
+    p = bk.Prefill(8192, 8192, bk.phi3_layout(), torch.Generator().manual_seed(0))
+    row = {}
+    measured = [entry for entry in paths if entry is not HOST_DESCRIPTORS] + [HOST_DESCRIPTORS]
+    for path, package, on, settings in measured:
+        with hopper_path(on, package, **settings) as prefill:
+            plan = prefill.plan_prefill(*p.args(), scale=bk.SCALE, layout=p.layout)
+        row[f"{path}_run_us"] = bk.enqueue_us(functools.partial(plan.run, p.q, p.k, p.v))
+    (compiled,) = plan.hopper.compiled.values()
+    desc = plan.descriptors(p.k)
+    meta = compiled.metadata.tensordesc_meta[0]
+
+    def per_call_us(fn, calls=2000):
+        rounds = []
+        for _ in range(7):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            rounds.append((time.perf_counter() - start) / calls * 1e6)
+        return sorted(rounds)[3]
+
+    row["descriptor_us"] = per_call_us(lambda: plan.descriptors(p.k))
+    row["encode_us"] = per_call_us(lambda: make_tensordesc_arg(desc, meta))
+    print(" ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
+    save([row])
+    return [row]
+
+
+def profile(save, paths) -> list[dict]:
     """One run of each path on the 8k Phi-3 prefill, for ncu (-k regex:prefill_kernel)."""
     p = bk.Prefill(8192, 8192, bk.phi3_layout(), torch.Generator().manual_seed(0))
-    for on in (True, False):
-        with hopper_path(on):
+    for _, package, on, settings in paths:
+        with hopper_path(on, package, **settings) as prefill:
             prefill.plan_prefill(*p.args(), scale=bk.SCALE, layout=p.layout).run(p.q, p.k, p.v)
     torch.cuda.synchronize()
     return []
@@ -100,16 +141,23 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--only", default="times")
+    parser.add_argument("--variants", action="store_true", help="also the kernel's VARIANTS")
+    parser.add_argument("--previous", type=pathlib.Path, help="a directory holding kernels_prev")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    result = {"device": torch.cuda.get_device_name()}
+    paths = PATHS + (VARIANTS if args.variants else [])
+    if args.previous:
+        sys.path.insert(0, str(args.previous))
+        paths.append(PREVIOUS)
+    result = {"device": torch.cuda.get_device_name(), "paths": [path[0] for path in paths]}
 
     def save(part, rows):
         result[part] = rows
         (args.out / "hopper-ab.json").write_text(json.dumps(result, indent=1))
 
+    parts = {"times": times, "profile": profile, "host": host_parts}
     for part in args.only.split(","):
-        save(part, {"times": times, "profile": profile}[part](functools.partial(save, part)))
+        save(part, parts[part](functools.partial(save, part), paths))
     return 0
 
 

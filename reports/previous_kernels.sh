@@ -11,5 +11,5 @@ rm -rf "$dir/kernels_prev"
 mkdir -p "$dir"
 git archive "$commit" kernels | tar -x -C "$dir"
 mv "$dir/kernels" "$dir/kernels_prev"
-sed -i -E 's/\bfrom kernels\./from kernels_prev./; s/^import kernels$/import kernels_prev/' "$dir"/kernels_prev/*.py
+sed -i -E 's/\bfrom kernels([. ])/from kernels_prev\1/; s/^import kernels$/import kernels_prev/' "$dir"/kernels_prev/*.py
 echo "$commit" > "$dir/kernels_prev/COMMIT"

@@ -1,4 +1,4 @@
-"""The planned prefill's Hopper path (kernels/hopper_prefill.py, off by default) against the float64
+"""The planned prefill's Hopper path (kernels/hopper_prefill.py, on by default on sm_90) against the float64
 oracle, on an sm_90 GPU: pages of 8 to 256 rows, head dims 64 and 128, fp16 and bf16, the partial
 tiles' three layout modes, contexts, GQA, batches, odd scales and non-finite K and V.
 
