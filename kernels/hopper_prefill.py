@@ -117,7 +117,7 @@ def launch(grid, device: torch.device, planned: dict, descriptors: "CacheDescrip
         HEAD_DIM=descriptors.block[1],
         PAGE_ROWS=descriptors.block[0],
         STAGES=STAGES,
-        DEVICE_DESCRIPTORS=DEVICE_DESCRIPTORS,
+        DEVICE_DESCRIPTORS=descriptors.on_device,
         CONSUMER_REGISTERS=CONSUMER_REGISTERS,
         PRODUCER_REGISTERS=PRODUCER_REGISTERS,
         num_warps=4,  # the default partition: the first consumer

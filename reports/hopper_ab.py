@@ -15,7 +15,6 @@ import importlib
 import json
 import pathlib
 import sys
-import time
 
 import torch
 
@@ -32,9 +31,10 @@ def hopper_path(enabled: bool, package: str = "kernels", **settings):
     original = {name: getattr(module, name) for name in settings}
     for name, value in settings.items():
         setattr(module, name, value)
-    importlib.import_module(f"{package}.paged_prefill")._LAST_PLAN.last = None  # it would keep the other path
+    prefill = importlib.import_module(f"{package}.paged_prefill")
+    prefill._LAST_PLAN.last = None  # the op's remembered plan would keep the other path
     try:
-        yield importlib.import_module(f"{package}.paged_prefill")
+        yield prefill
     finally:
         for name, value in original.items():
             setattr(module, name, value)
@@ -110,18 +110,8 @@ def host_parts(save, paths) -> list[dict]:
     (compiled,) = plan.hopper.compiled.values()
     desc = plan.descriptors(p.k)
     meta = compiled.metadata.tensordesc_meta[0]
-
-    def per_call_us(fn, calls=2000):
-        rounds = []
-        for _ in range(7):
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            rounds.append((time.perf_counter() - start) / calls * 1e6)
-        return sorted(rounds)[3]
-
-    row["descriptor_us"] = per_call_us(lambda: plan.descriptors(p.k))
-    row["encode_us"] = per_call_us(lambda: make_tensordesc_arg(desc, meta))
+    row["descriptor_us"] = bk.enqueue_us(lambda: plan.descriptors(p.k))
+    row["encode_us"] = bk.enqueue_us(lambda: make_tensordesc_arg(desc, meta))
     print(" ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
     save([row])
     return [row]
