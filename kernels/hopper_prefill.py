@@ -14,7 +14,8 @@ the walk order), and a program runs three warp-specialized parts on 128-row quer
   for one it does not need yet, and the next query tile's first keys arrive during this one's end;
 - two consumer warp groups (4 warps, `CONSUMER_REGISTERS` registers a thread) take 64 rows each and
   share every slot: each runs its scores, softmax and P.V, and the warp scheduler overlaps one's
-  softmax with the other's matrix products.
+  softmax with the other's matrix products. A group takes its full tiles two slots at a time (one
+  softmax update, one wait and one release a pair, `_attend_pairs`), with its Q in registers.
 The lists are built for 128-row tiles, so a key tile is full only when it is full for both halves;
 a partial one may be nothing or everything to one half (`_tile_mode`), which then skips it or takes
 it unmasked.
@@ -39,10 +40,12 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels._common import BoundLaunch, interpreted
 
-# On: 1.17-1.40x faster than the Triton kernel on the H200 at every row of reports/hopper_ab.py, and
-# its launch enqueues within 5 µs of the Triton kernel's (reports/gpu/kernel-ab.md §11).
+# On: 1.39-1.56x faster than the Triton kernel on the H200 at every row of reports/hopper_ab.py
+# (reports/gpu/kernel-ab.md §14), and its launch enqueues within 5 µs of the Triton kernel's (§11).
 ENABLED = True
-BLOCK_M, BLOCK_N, STAGES = 128, 64, 3
+# A consumer takes its full tiles two at a time and so holds two slots of the ring: 4 slots keep the
+# producer a pair ahead (3 were up to 6% slower with pairs, reports/gpu/kernel-ab.md §13).
+BLOCK_M, BLOCK_N, STAGES = 128, 64, 4
 # Each program makes its caches' TMA descriptors from their pointers (256 bytes of scratch a program),
 # instead of the launcher encoding two host-made ones on every run: 27 µs of host time a launch
 # instead of 57 (reports/gpu/kernel-ab.md §11).
@@ -266,16 +269,16 @@ def _producer(
 
 @gluon.jit
 def _attend_tile(
-    b_m, b_l, b_seen, b_acc, k, n, q_buf, k_smem, v_smem, v_own, ready, empty, o_m, m_m, p_mask_row,
+    b_m, b_l, b_seen, b_acc, k, n, q_op, k_smem, v_smem, v_own, ready, empty, o_m, m_m, p_mask_row,
     seq_len, sparse_block, qk_scale,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, LAYOUT_MASK: gl.constexpr, PARTIAL: gl.constexpr,
 ):  # fmt: skip
     """The k-th key tile of the ring (starting at key n) into the online softmax state, as
     `attend` (kernels/_common.py); then its slot is released."""
-    ROWS: gl.constexpr = q_buf.type.shape[0]
-    HEAD_DIM: gl.constexpr = q_buf.type.shape[1]
+    ROWS: gl.constexpr = q_op.type.shape[0]
+    HEAD_DIM: gl.constexpr = q_op.type.shape[1]
     NUM_WARPS: gl.constexpr = gl.num_warps()
-    dtype: gl.constexpr = q_buf.dtype
+    dtype: gl.constexpr = q_op.dtype
     s_layout: gl.constexpr = _mma_layout(BLOCK_N, NUM_WARPS)
     o_layout: gl.constexpr = b_acc.type.layout
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -283,22 +286,31 @@ def _attend_tile(
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
+    if PARTIAL:  # the masks first: their loads land while the tile's copy and scores do
+        o_n = n + gl.arange(0, BLOCK_N, layout=col_s)
+        m_row = m_m
+        if LAYOUT_MASK == 1:  # MASK_ROWS
+            m_row = m_row & (gl.load(p_mask_row + n // sparse_block, mask=m_m, other=0) != 0)
+        # [ROWS]: the last key each row may see, by causality, the sequence end and its row's mask
+        b_last = gl.where(m_row, gl.minimum(o_m, seq_len - 1), -1)
+        m_s = o_n[None, :] <= b_last[:, None]
+        if LAYOUT_MASK == 0:  # MASK_ELEMENTS
+            m_s = m_s & (gl.load(p_mask_row[:, None] + o_n[None, :] // sparse_block, mask=m_s, other=0) != 0)
+            b_seen = gl.maximum(b_seen, gl.max(m_s.to(gl.int32), 1))
+        else:
+            b_seen = gl.maximum(b_seen, (b_last >= n).to(gl.int32))
+    else:
+        b_seen = gl.full(b_seen.shape, 1, gl.int32, b_seen.type.layout)
     slot = k % STAGES
     mbarrier.wait(ready.index(slot), (k // STAGES) & 1)
     b_s = warpgroup_mma(
-        q_buf, k_smem.index(slot).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
+        q_op, k_smem.index(slot).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
         use_acc=False, is_async=True,
     )  # fmt: skip
     b_s = warpgroup_mma_wait(num_outstanding=0, deps=(b_s,))
     b_s = b_s + b_s * 0.0  # the NaN rule: an infinite score is seen as NaN
     v_buf = v_smem.index(slot)
     if PARTIAL:
-        o_n = n + gl.arange(0, BLOCK_N, layout=col_s)
-        m_s = (o_n[None, :] <= o_m[:, None]) & (o_n[None, :] < seq_len) & m_m[:, None]
-        if LAYOUT_MASK == 0:  # MASK_ELEMENTS
-            m_s = m_s & (gl.load(p_mask_row[:, None] + o_n[None, :] // sparse_block, mask=m_s, other=0) != 0)
-        elif LAYOUT_MASK == 1:  # MASK_ROWS
-            m_s = m_s & (gl.load(p_mask_row + n // sparse_block, mask=m_m, other=0) != 0)[:, None]
         # Keys whose V holds NaN or Inf (past the sequence end too: the rest of its last page may hold
         # anything) are seen as a NaN score instead, and zeroed in this consumer's own copy of V: a
         # masked weight of 0 times a non-finite V would make NaN. The slot is shared with the other
@@ -310,15 +322,12 @@ def _attend_tile(
         gl.thread_barrier()
         b_s = gl.where(gl.convert_layout(m_v_bad, col_s)[None, :], float("nan"), b_s)
         b_s = gl.where(m_s, b_s, NEG_INF)
-        b_seen = gl.maximum(b_seen, gl.max(m_s.to(gl.int32), 1))
-    else:
-        b_seen = gl.full(b_seen.shape, 1, gl.int32, b_seen.type.layout)
     b_m_new = gl.maximum(b_m, gl.max(b_s, 1))
     b_alpha = gl.exp2((b_m - b_m_new) * qk_scale)
     b_p = gl.exp2(b_s * qk_scale - (b_m_new * qk_scale)[:, None])  # one FMA an element
     if PARTIAL:
         # (-inf) * 0 is NaN when scale == 0: masked weights are set, not computed.
-        b_p = gl.where(b_s != NEG_INF, b_p, 0.0)
+        b_p = gl.where(m_s, b_p, 0.0)
     b_l = b_l * b_alpha + gl.sum(b_p, 1)
     b_acc = b_acc * gl.convert_layout(b_alpha, row_o)[:, None]
     b_p = gl.convert_layout(b_p.to(dtype), p_layout)
@@ -326,12 +335,56 @@ def _attend_tile(
         b_acc = warpgroup_mma(b_p, v_own, b_acc, is_async=True)
     else:
         b_acc = warpgroup_mma(b_p, v_buf, b_acc, is_async=True)
-    b_acc = warpgroup_mma_wait(num_outstanding=0, deps=(b_acc,))
+    b_acc, _ = warpgroup_mma_wait(num_outstanding=0, deps=(b_acc, b_p))
     # Every thread arrives for itself, as FlashAttention-3's consumers do: `mbarrier.arrive` is one
     # thread's, so the compiler puts a barrier of the group before and after it (two a tile). This
     # arrival (the cp.async one, with no copy outstanding) is each thread's own.
     async_copy.mbarrier_arrive(empty.index(slot), increment_count=False)
     return b_m_new, b_l, b_seen, b_acc
+
+
+@gluon.jit
+def _attend_pairs(
+    b_m, b_l, b_acc, k, num_pairs, q_op, k_smem, v_smem, ready, empty, qk_scale,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+):  # fmt: skip
+    """Full key tiles k .. k + 2 * num_pairs - 1 of the ring into the online softmax state, two at a
+    time, as unmasked `_attend_tile`s: one softmax update, one wait for the products and one release
+    of both slots a pair."""
+    ROWS: gl.constexpr = q_op.type.shape[0]
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N, gl.num_warps())
+    o_layout: gl.constexpr = b_acc.type.layout
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    b_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    for j in range(num_pairs):
+        i = k + 2 * j
+        slot0 = i % STAGES
+        slot1 = (i + 1) % STAGES
+        mbarrier.wait(ready.index(slot0), (i // STAGES) & 1)
+        b_s0 = warpgroup_mma(q_op, k_smem.index(slot0).permute((1, 0)), b_zero, use_acc=False, is_async=True)
+        mbarrier.wait(ready.index(slot1), ((i + 1) // STAGES) & 1)
+        b_s1 = warpgroup_mma(q_op, k_smem.index(slot1).permute((1, 0)), b_zero, use_acc=False, is_async=True)
+        b_s0, b_s1 = warpgroup_mma_wait(num_outstanding=0, deps=(b_s0, b_s1))
+        b_s0 = b_s0 + b_s0 * 0.0  # the NaN rule, as in `_attend_tile`
+        b_s1 = b_s1 + b_s1 * 0.0
+        b_m_new = gl.maximum(b_m, gl.max(gl.maximum(b_s0, b_s1), 1))
+        b_alpha = gl.exp2((b_m - b_m_new) * qk_scale)
+        b_shift = (b_m_new * qk_scale)[:, None]
+        b_p0 = gl.exp2(b_s0 * qk_scale - b_shift)
+        b_p1 = gl.exp2(b_s1 * qk_scale - b_shift)
+        b_l = b_l * b_alpha + gl.sum(b_p0 + b_p1, 1)
+        b_m = b_m_new
+        b_x0 = gl.convert_layout(b_p0.to(q_op.dtype), p_layout)
+        b_x1 = gl.convert_layout(b_p1.to(q_op.dtype), p_layout)
+        b_acc = b_acc * gl.convert_layout(b_alpha, row_o)[:, None]
+        b_acc = warpgroup_mma(b_x0, v_smem.index(slot0), b_acc, is_async=True)
+        b_acc = warpgroup_mma(b_x1, v_smem.index(slot1), b_acc, is_async=True)
+        # The register operands are kept alive until their products retire.
+        b_acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(b_acc, b_x0, b_x1))
+        async_copy.mbarrier_arrive(empty.index(slot0), increment_count=False)
+        async_copy.mbarrier_arrive(empty.index(slot1), increment_count=False)
+    return b_m, b_l, b_acc
 
 
 @gluon.jit
@@ -360,19 +413,28 @@ def _tile_mode(
 
 
 @gluon.jit
-def _query_rows(
-    i_b, i_qt, seq_lens, query_start_loc, CONSUMER: gl.constexpr, ROWS: gl.constexpr, layout: gl.constexpr
-):
-    """[ROWS] in `layout`: consumer CONSUMER's rows of query tile i_qt of sequence i_b, as absolute
-    positions, whether each is one of the sequence's queries, and token indices; and the sequence's
-    length."""
+def _item(w, num_tiles, tiles, tile_lists, stride_list_kind, stride_list_tile, stride_list_head, seq_lens,
+          query_start_loc):  # fmt: skip
+    """Work item w's scalars, its loads issued together (an item's are loaded during the one before):
+    its query tile, head and lists (`_work`), its sequence's first query token, context and length."""
+    i_b, i_qt, i_h, p_full, p_partial, n_full, count = _work(
+        w, num_tiles, tiles, tile_lists, stride_list_kind, stride_list_tile, stride_list_head
+    )
     q_begin = gl.load(query_start_loc + i_b)
-    q_len = gl.load(query_start_loc + i_b + 1) - q_begin
+    q_end = gl.load(query_start_loc + i_b + 1)
     seq_len = gl.load(seq_lens + i_b)
-    context = seq_len - q_len
+    return i_qt, i_h, p_full, p_partial, n_full, count, q_begin, seq_len - (q_end - q_begin), seq_len
+
+
+@gluon.jit
+def _query_rows(
+    i_qt, q_begin, context, seq_len, CONSUMER: gl.constexpr, ROWS: gl.constexpr, layout: gl.constexpr
+):
+    """[ROWS] in `layout`: consumer CONSUMER's rows of query tile i_qt, as absolute positions, whether
+    each is one of its sequence's queries, and token indices."""
     o_m = i_qt * (2 * ROWS) + CONSUMER * ROWS + gl.arange(0, ROWS, layout=layout)
     m_m = (o_m >= context) & (o_m < seq_len)
-    return o_m, m_m, (q_begin + o_m - context).to(gl.int64), seq_len
+    return o_m, m_m, (q_begin + o_m - context).to(gl.int64)
 
 
 @gluon.jit
@@ -392,57 +454,67 @@ def _consumer(
     s_layout: gl.constexpr = _mma_layout(BLOCK_N, NUM_WARPS)
     o_layout: gl.constexpr = _mma_layout(HEAD_DIM, NUM_WARPS)
     io_layout: gl.constexpr = _io_layout(HEAD_DIM, NUM_WARPS)
+    q_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     row_io: gl.constexpr = gl.SliceLayout(1, io_layout)
     col_io: gl.constexpr = gl.SliceLayout(0, io_layout)
     lists = (tiles, tile_lists, stride_list_kind, stride_list_tile, stride_list_head)
+    lists += (seq_lens, query_start_loc)
     num_items = num_tiles * num_heads
     q_buf = q_smem.index(CONSUMER)
     v_own = v_own_smem.index(CONSUMER)
     o_d_io = gl.arange(0, HEAD_DIM, layout=col_io)
 
-    # Q [ROWS, HEAD_DIM] of the first item (rows outside the queries zero); each item's loop ends
-    # by loading the next one's.
-    i_b, i_qt, i_h, _, _, _, _ = _work(gl.program_id(0), num_tiles, *lists)
-    _, m_m_io, o_tok_io, _ = _query_rows(i_b, i_qt, seq_lens, query_start_loc, CONSUMER, ROWS, row_io)
+    # The first item and its Q [ROWS, HEAD_DIM] (rows outside the queries zero); each item loads the
+    # next one's scalars and Q during its epilogue.
+    i_qt, i_h, p_full, p_partial, n_full, count, q_begin, context, seq_len = _item(
+        gl.program_id(0), num_tiles, *lists
+    )
+    _, m_m_io, o_tok_io = _query_rows(i_qt, q_begin, context, seq_len, CONSUMER, ROWS, row_io)
     p_q = q + o_tok_io[:, None] * stride_qt + i_h * stride_qh + o_d_io[None, :]
     b_q = gl.load(p_q, mask=m_m_io[:, None], other=0.0)
     k = 0
     for w in range(gl.program_id(0), num_items, gl.num_programs(0)):
-        i_b, i_qt, i_h, p_full, p_partial, n_full, count = _work(w, num_tiles, *lists)
         # Every warp of the group is past the previous item's last product (a wait covers the group).
         q_buf.store(b_q)
         fence_async_shared()
         gl.thread_barrier()
 
-        o_m, m_m, _, seq_len = _query_rows(i_b, i_qt, seq_lens, query_start_loc, CONSUMER, ROWS, row_s)
+        o_m, m_m, _ = _query_rows(i_qt, q_begin, context, seq_len, CONSUMER, ROWS, row_s)
         qb = gl.minimum(o_m // sparse_block, num_blocks - 1)
         p_mask_row = block_mask + i_h * stride_mask_head + qb * num_blocks
+        # The full tiles' scores read Q from registers, and only K from shared memory.
+        q_op = q_buf.load(q_op_layout)
         b_m = gl.full([ROWS], FINITE_MIN, gl.float32, row_s)
         b_l = gl.zeros([ROWS], gl.float32, row_s)
-        b_seen = gl.zeros([ROWS], gl.int32, row_s)
+        # A full tile is seen by every row.
+        b_seen = gl.zeros([ROWS], gl.int32, row_s) + (n_full > 0).to(gl.int32)
         b_acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-        for t in range(n_full):
+        num_pairs = n_full // 2  # then one more tile when n_full is odd
+        b_m, b_l, b_acc = _attend_pairs(
+            b_m, b_l, b_acc, k, num_pairs, q_op, k_smem, v_smem, ready, empty, qk_scale, BLOCK_N, STAGES
+        )
+        for t in range(2 * num_pairs, n_full):
             b_m, b_l, b_seen, b_acc = _attend_tile(
-                b_m, b_l, b_seen, b_acc, k + t, gl.load(p_full + 1 + t) * BLOCK_N, q_buf, k_smem, v_smem,
+                b_m, b_l, b_seen, b_acc, k + t, gl.load(p_full + 1 + t) * BLOCK_N, q_op, k_smem, v_smem,
                 v_own, ready, empty, o_m, m_m, p_mask_row, seq_len, sparse_block, qk_scale, BLOCK_N, STAGES,
                 LAYOUT_MASK, False,
             )  # fmt: skip
+        k += n_full
         # A tile partial for the 128-row query tile is often none of this group's business, or whole
-        # for it (the local window's edge blocks, the diagonal's halves): those take no masks.
+        # for it (the local window's edge blocks, the diagonal's halves): those take no masks. Their
+        # scores read Q from shared memory: the registers go to the masks and V's copy.
         first_row = i_qt * (2 * ROWS) + CONSUMER * ROWS
         p_block_row = (
             block_mask
             + i_h * stride_mask_head
             + gl.minimum(first_row // sparse_block, num_blocks - 1) * num_blocks
         )
-        for t in range(n_full, count):
-            n = gl.load(p_partial + 1 + (t - n_full)) * BLOCK_N
-            mode = _tile_mode(
-                n, first_row, seq_len, p_block_row, sparse_block, ROWS, BLOCK_N,
-                LAYOUT_MASK,
-            )  # fmt: skip
+        n_partial = count - n_full
+        for t in range(n_partial):
+            n = gl.load(p_partial + 1 + t) * BLOCK_N
+            mode = _tile_mode(n, first_row, seq_len, p_block_row, sparse_block, ROWS, BLOCK_N, LAYOUT_MASK)
             if mode == SKIP:
                 slot = (k + t) % STAGES
                 mbarrier.wait(ready.index(slot), ((k + t) // STAGES) & 1)  # the copy lands before reuse
@@ -457,12 +529,13 @@ def _consumer(
                     b_m, b_l, b_seen, b_acc, k + t, n, q_buf, k_smem, v_smem, v_own, ready, empty, o_m,
                     m_m, p_mask_row, seq_len, sparse_block, qk_scale, BLOCK_N, STAGES, LAYOUT_MASK, True,
                 )  # fmt: skip
-        k += count
+        k += n_partial
 
-        # The next item's Q, loading during this one's epilogue.
+        # The next item's scalars and Q, loading during this one's epilogue.
         w_next = w + gl.num_programs(0)
-        n_b, n_qt, n_h, _, _, _, _ = _work(gl.minimum(w_next, num_items - 1), num_tiles, *lists)
-        _, m_next, tok_next, _ = _query_rows(n_b, n_qt, seq_lens, query_start_loc, CONSUMER, ROWS, row_io)
+        item = _item(gl.minimum(w_next, num_items - 1), num_tiles, *lists)
+        n_qt, n_h, _, _, _, _, n_q_begin, n_context, n_seq_len = item
+        _, m_next, tok_next = _query_rows(n_qt, n_q_begin, n_context, n_seq_len, CONSUMER, ROWS, row_io)
         p_q = q + tok_next[:, None] * stride_qt + n_h * stride_qh + o_d_io[None, :]
         b_q = gl.load(p_q, mask=(m_next & (w_next < num_items))[:, None], other=0.0)
 
@@ -470,20 +543,22 @@ def _consumer(
         b_l = gl.convert_layout(b_l, row_o)
         b_m = gl.convert_layout(b_m, row_o)
         seen = gl.convert_layout(b_seen, row_o) != 0
-        m_bad = (b_l != b_l) | (
-            gl.sum(((b_acc != b_acc) | (gl.abs(b_acc) == float("inf"))).to(gl.int32), 1) > 0
-        )
+        # A row's sum of zeros is NaN when its accumulator holds NaN or Inf; a row with no key has an
+        # accumulator of zeros, which its factor 0 keeps. One product an element, where a division
+        # and two selects cost 11% of the time at 8k with 832 queries (reports/gpu/kernel-ab.md §13).
+        m_bad = (b_l != b_l) | (gl.sum(b_acc * 0.0, 1) != 0.0)
         b_l_safe = gl.where(seen, b_l, 1.0)
-        b_out = gl.where(seen[:, None], b_acc / b_l_safe[:, None], 0.0)
+        b_norm = gl.where(m_bad, float("nan"), gl.where(seen, 1.0 / b_l_safe, 0.0))
+        b_out = b_acc * b_norm[:, None]
         b_lse = gl.where(seen, (b_m * qk_scale + gl.log2(b_l_safe)) * LN2, NEG_INF)
-        b_out = gl.where(m_bad[:, None], float("nan"), b_out)
         b_lse = gl.where(m_bad, float("nan"), b_lse)
 
-        _, m_m_io, o_tok_io, _ = _query_rows(i_b, i_qt, seq_lens, query_start_loc, CONSUMER, ROWS, row_io)
+        _, m_m_io, o_tok_io = _query_rows(i_qt, q_begin, context, seq_len, CONSUMER, ROWS, row_io)
         b_out = gl.convert_layout(b_out.to(dtype), io_layout)
         o_out = o_tok_io[:, None] * num_heads + i_h
         gl.store(out + o_out * HEAD_DIM + o_d_io[None, :], b_out, mask=m_m_io[:, None])
         gl.store(lse + o_tok_io * num_heads + i_h, gl.convert_layout(b_lse, row_io), mask=m_m_io)
+        i_qt, i_h, p_full, p_partial, n_full, count, q_begin, context, seq_len = item
 
 
 # Persistent: a program an SM (the grid's size), work items in the walk order of `_work`.

@@ -20,7 +20,7 @@
 #                                             deliberately broken (keyed without pointer alignment):
 #                                             its test must fail
 #   bash reports/gpu_check.sh OUT_DIR hopper   the Hopper path's tests (tests/kernels/test_hopper_prefill.py),
-#                                             once more with each of three parts broken (each must
+#                                             once more with each of five parts broken (each must
 #                                             fail), its same-process A/B against the Triton kernel
 #                                             (reports/hopper_ab.py; HOPPER_AB_ARGS="--variants
 #                                             --previous .ab" adds its variants and the previous
@@ -89,7 +89,10 @@ case $part in
     # - mode: a group sees every layout block of its partial tiles, and takes the ones it does not
     #   see whole (the layout cases);
     # - descriptor: the programs' TMA descriptors end a page short of the caches (every case whose
-    #   block table reaches the caches' last page).
+    #   block table reaches the caches' last page);
+    # - pairs: a pair of full tiles takes its first slot's V for both halves (the cases with pairs);
+    # - epilogue: the finalize step no longer finds NaN or Inf in a row's accumulator (the non-finite
+    #   V cases whose row sees the key in a full tile).
     broken=/tmp/broken-hopper
     rm -rf "$broken" && mkdir -p "$broken" && tar --exclude=./.ab -cf - . | tar -xf - -C "$broken"
     while IFS='|' read -r name edit left tests; do
@@ -102,6 +105,8 @@ case $part in
 v-copy|s/v_own.store(gl.where(m_v_bad\[:, None\], gl.zeros_like(b_v), b_v))/v_own.store(b_v)/|v_own.store(b_v)|v_cache
 mode|s/mask=uniform, other=1) != 0/mask=uniform, other=1) >= 0/|mask=uniform, other=1) >= 0|phi3 or rows or none
 descriptor|s/shape = \[cache_rows, width\]/shape = [cache_rows - page_size, width]/|shape = [cache_rows - page_size, width]|not v_cache and not k_cache
+pairs|s/warpgroup_mma(b_x1, v_smem.index(slot1)/warpgroup_mma(b_x1, v_smem.index(slot0)/|warpgroup_mma(b_x1, v_smem.index(slot0)|phi3-ctx0 or dense-P256 or rows
+epilogue|s/gl.sum(b_acc \* 0.0, 1) != 0.0/gl.sum(b_acc * 0.0, 1) > 0.0/|gl.sum(b_acc * 0.0, 1) > 0.0|v_cache
 BREAKS
     step 300 hopper-ab python3 -m reports.hopper_ab --out "$out" --only "${HOPPER_AB_PARTS:-times,host}" ${HOPPER_AB_ARGS:-}
     tail -n 5 "$out/hopper-ab.log" >> "$out/summary.txt"

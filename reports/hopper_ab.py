@@ -1,9 +1,11 @@
 """Same-process A/B of the planned prefill's Hopper path (kernels/hopper_prefill.py) against the Triton
 kernel it replaces on sm_90 (GPU only).
 
-`python3 -m reports.hopper_ab --out DIR [--only times,host,profile] [--variants] [--previous DIR]`: the
-planned times of both paths (and of the variants, and of the previous commit's Hopper path) on rows of
-the kernel benchmark (reports/bench_kernels.py), in one process; `host` breaks down the Hopper run's
+`python3 -m reports.hopper_ab --out DIR [--only times,host,profile] [--variants [NAME,...]] [--previous DIR]
+[--rounds N] [--max-tokens N]`: the planned times of both paths (and of the variants, and of the
+previous commit's Hopper path) on rows of the kernel benchmark (reports/bench_kernels.py), in one
+process, each path timed once a round in turn (`--rounds`: the same-process spread); `host` breaks
+down the Hopper run's
 host time at 8k; `profile` runs each path once on the 8k Phi-3 prefill, for ncu. Writes hopper-ab.json
 under DIR and prints a table. The Hopper path's verdicts: tests/kernels/test_hopper_prefill.py.
 """
@@ -14,6 +16,7 @@ import functools
 import importlib
 import json
 import pathlib
+import statistics
 import sys
 
 import torch
@@ -63,25 +66,34 @@ TIME_ROWS = (
 ENQUEUE_TOKENS = 8192  # enqueue times are taken at these rows only (the queue is slow to fill at 128k)
 
 
-def times(save, paths) -> list[dict]:
-    """The rows' times; `save(rows)` after each row (a run cut short keeps what it measured)."""
+def times(save, paths, rounds: int = 1, max_tokens: int | None = None) -> list[dict]:
+    """The rows' times (up to max_tokens), each path timed once a round, in turn (`{path}_ms`: the
+    median of its rounds); `save(rows)` after each row (a run cut short keeps what it measured)."""
     gen = torch.Generator().manual_seed(0)
     rows = []
     for n, queries, layout_name, page in TIME_ROWS:
+        if max_tokens is not None and n > max_tokens:
+            continue
         layout = bk.phi3_layout() if layout_name == "phi3" else None
         bk.PAGE_SIZE = page
         p = bk.Prefill(n, queries, layout, gen)
         row = {"n": n, "queries": queries, "layout": layout_name, "page": page}
-        outs = {}
+        outs, runs = {}, {}
         for path, package, on, settings in paths:
             with hopper_path(on, package, **settings) as prefill:
                 plan = prefill.plan_prefill(*p.args(), scale=bk.SCALE, layout=layout)
             row[f"{path}_took_hopper"] = plan.hopper is not None
-            run = functools.partial(plan.run, p.q, p.k, p.v)
-            outs[path] = run()
-            row[f"{path}_ms"] = bk.bench(run)
+            runs[path] = functools.partial(plan.run, p.q, p.k, p.v)
+            outs[path] = runs[path]()
+        for _ in range(rounds):
+            for path, run in runs.items():
+                row.setdefault(f"{path}_ms_rounds", []).append(bk.bench(run))
+        for path, run in runs.items():
+            row[f"{path}_ms"] = statistics.median(row[f"{path}_ms_rounds"])
             row[f"{path}_enqueue_us"] = bk.enqueue_us(run) if n == ENQUEUE_TOKENS else None
-        row["max_abs_diff"] = max((outs[k].float() - outs["triton"].float()).abs().max().item() for k in outs)
+        for path, out in outs.items():  # a sanity check; the verdicts are the tests'
+            row[f"{path}_diff"] = (out.float() - outs["triton"].float()).abs().max().item()
+        row["max_abs_diff"] = max(row[f"{path}_diff"] for path in outs)
         vllm = bk.VLLM_MS.get((n, queries)) if layout is not None else None
         line = f"{layout_name} {n} q{queries} P{page}:"
         for path, *_ in paths:
@@ -131,11 +143,16 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--only", default="times")
-    parser.add_argument("--variants", action="store_true", help="also the kernel's VARIANTS")
+    parser.add_argument(
+        "--variants", nargs="?", const="all", help="also the kernel's VARIANTS (all, or NAME,NAME...)"
+    )
     parser.add_argument("--previous", type=pathlib.Path, help="a directory holding kernels_prev")
+    parser.add_argument("--rounds", type=int, default=1, help="times: each path timed this many times")
+    parser.add_argument("--max-tokens", type=int, help="times: only the rows of at most this many tokens")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    paths = PATHS + (VARIANTS if args.variants else [])
+    wanted = set(args.variants.split(",")) if args.variants not in (None, "all") else None
+    paths = PATHS + [v for v in VARIANTS if args.variants and (wanted is None or v[0] in wanted)]
     if args.previous:
         sys.path.insert(0, str(args.previous))
         paths.append(PREVIOUS)
@@ -145,7 +162,8 @@ def main(argv=None) -> int:
         result[part] = rows
         (args.out / "hopper-ab.json").write_text(json.dumps(result, indent=1))
 
-    parts = {"times": times, "profile": profile, "host": host_parts}
+    timed = functools.partial(times, rounds=args.rounds, max_tokens=args.max_tokens)
+    parts = {"times": timed, "profile": profile, "host": host_parts}
     for part in args.only.split(","):
         save(part, parts[part](functools.partial(save, part), paths))
     return 0
