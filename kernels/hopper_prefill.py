@@ -459,8 +459,9 @@ def _consumer(
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     row_io: gl.constexpr = gl.SliceLayout(1, io_layout)
     col_io: gl.constexpr = gl.SliceLayout(0, io_layout)
-    lists = (tiles, tile_lists, stride_list_kind, stride_list_tile, stride_list_head)
-    lists += (seq_lens, query_start_loc)
+    # What `_item` reads: the walk's tiles and lists, and the sequences' lengths and query starts.
+    item_args = (tiles, tile_lists, stride_list_kind, stride_list_tile, stride_list_head, seq_lens)
+    item_args += (query_start_loc,)
     num_items = num_tiles * num_heads
     q_buf = q_smem.index(CONSUMER)
     v_own = v_own_smem.index(CONSUMER)
@@ -469,7 +470,7 @@ def _consumer(
     # The first item and its Q [ROWS, HEAD_DIM] (rows outside the queries zero); each item loads the
     # next one's scalars and Q during its epilogue.
     i_qt, i_h, p_full, p_partial, n_full, count, q_begin, context, seq_len = _item(
-        gl.program_id(0), num_tiles, *lists
+        gl.program_id(0), num_tiles, *item_args
     )
     _, m_m_io, o_tok_io = _query_rows(i_qt, q_begin, context, seq_len, CONSUMER, ROWS, row_io)
     p_q = q + o_tok_io[:, None] * stride_qt + i_h * stride_qh + o_d_io[None, :]
@@ -533,7 +534,7 @@ def _consumer(
 
         # The next item's scalars and Q, loading during this one's epilogue.
         w_next = w + gl.num_programs(0)
-        item = _item(gl.minimum(w_next, num_items - 1), num_tiles, *lists)
+        item = _item(gl.minimum(w_next, num_items - 1), num_tiles, *item_args)
         n_qt, n_h, _, _, _, _, n_q_begin, n_context, n_seq_len = item
         _, m_next, tok_next = _query_rows(n_qt, n_q_begin, n_context, n_seq_len, CONSUMER, ROWS, row_io)
         p_q = q + tok_next[:, None] * stride_qt + n_h * stride_qh + o_d_io[None, :]
