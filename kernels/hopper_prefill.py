@@ -7,7 +7,8 @@ otherwise (and for a run whose caches are not 16-byte aligned, which the tensor-
 A launch allocates 256 bytes a program for the K and V caches' TMA descriptors through Triton's
 allocator (`triton.set_allocator`); where the calling thread has none, a run sets torch's.
 The grid is persistent (a program an SM, each taking every `num_programs`-th (query tile, head) of
-the walk order), and a program runs three warp-specialized parts on 128-row query tiles:
+the walk order, or with `BALANCED_WALK` the items `walk_order` deals it), and a program runs three
+warp-specialized parts on 128-row query tiles:
 - a producer warp walks each tile's lists and copies its key tiles' K and V by TMA, page by page
   (`PAGE_ROWS` rows a copy), into a ring of `STAGES` shared-memory slots: a slot is refilled as soon
   as both consumers have released it, across query tiles, so no compute warp issues a copy or waits
@@ -24,6 +25,7 @@ Not on this path: float32 (scores in float64), head dims other than 64 and 128, 
 contiguous (a TMA descriptor needs `[num_pages * page_size, num_kv_heads * head_dim]` rows).
 """
 
+import numpy as np
 import torch
 import triton
 from triton.experimental import gluon
@@ -53,6 +55,12 @@ DEVICE_DESCRIPTORS = True
 # Registers are set per warp group (setmaxnreg): the two consumers' and the producer's (one warp of a
 # group of 4) fill the register file at 168 a thread on average, one program an SM.
 MAX_REGISTERS, CONSUMER_REGISTERS, PRODUCER_REGISTERS = 168, 240, 24
+# Work items dealt round by round (each round's costliest item to its least-loaded program, `walk_order`)
+# instead of program p taking items p, p + num_programs, ...: off until a same-process A/B shows it
+# paying (reports/gpu/kernel-ab.md §15); an item's cost in full key tiles: a partial tile counts as
+# PARTIAL_COST, its set-up and epilogue as ITEM_COST.
+BALANCED_WALK = False
+PARTIAL_COST, ITEM_COST = 2.0, 4.0
 FALLBACK_WARPS = 8  # the Triton kernel's warps on these 128-row tiles (a run with misaligned caches)
 HEAD_DIMS = (64, 128)
 MIN_PAGE_ROWS = 8  # the 128-byte swizzle's atom: a TMA copy into a slot starts on one
@@ -103,12 +111,44 @@ def aligned(*tensors: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
-def launch(grid, device: torch.device, planned: dict, descriptors: "CacheDescriptors") -> BoundLaunch:
+def walk_order(counts: torch.Tensor, query_tiles: list, num_heads: int, programs: int) -> torch.Tensor:
+    """int32 [num_items]: entry r * programs + p is the item (in `_work`'s head-major order) that
+    program p takes in its r-th round. `counts`: the lists' counts [2, tiles, 1 or num_heads] (CPU);
+    `query_tiles`: the (sequence, absolute query tile) of each query tile."""
+    tiles_abs = [t for _, t in query_tiles]
+    full, partial = counts[0, tiles_abs].numpy(), counts[1, tiles_abs].numpy()  # [T, 1 or H]
+    cost = np.broadcast_to(full + PARTIAL_COST * partial + ITEM_COST, (len(tiles_abs), num_heads))
+    cost = cost[::-1].T.reshape(-1)  # item w: head w // T, query tile T - 1 - w % T
+    num_items = cost.shape[0]
+    loads = np.zeros(programs)
+    rounds = -(-num_items // programs)
+    taken = np.full((rounds, programs), -1, dtype=np.int64)
+    for r in range(rounds):
+        items = np.arange(r * programs, min(num_items, (r + 1) * programs))
+        items = items[np.argsort(-cost[items], kind="stable")]
+        takers = np.argsort(loads, kind="stable")[: items.shape[0]]
+        taken[r, takers] = items
+        loads[takers] += cost[items]
+    # The last round's takers become programs 0, 1, ...: a program's items are w = p + r * programs.
+    relabel = np.argsort(taken[-1] < 0, kind="stable")
+    order = taken[:, relabel].reshape(-1)
+    return torch.from_numpy(order[order >= 0].astype(np.int32))
+
+
+def num_programs(grid, device: torch.device) -> int:
+    """The persistent grid's size for a grid of (query tiles, heads): a program an SM, at most."""
+    return min(grid[0] * grid[1], num_sms(device))
+
+
+def launch(
+    grid, device: torch.device, planned: dict, descriptors: "CacheDescriptors", balanced: bool
+) -> BoundLaunch:
     """The bound launch of `hopper_prefill_kernel`, from the Triton kernel's planned arguments and grid
-    (query tiles, heads)."""
+    (query tiles, heads). `balanced`: the planned tiles are followed by `walk_order`'s entries;
+    otherwise program p takes items p, p + num_programs, ..."""
     names = set(hopper_prefill_kernel.arg_names)
     num_tiles, num_heads = grid
-    programs = min(num_tiles * num_heads, num_sms(device))
+    programs = num_programs(grid, device)
     return BoundLaunch(
         hopper_prefill_kernel,
         (programs,),
@@ -121,6 +161,8 @@ def launch(grid, device: torch.device, planned: dict, descriptors: "CacheDescrip
         PAGE_ROWS=descriptors.block[0],
         STAGES=STAGES,
         DEVICE_DESCRIPTORS=descriptors.on_device,
+        walk=planned["tiles"][2 * num_tiles :] if balanced else planned["tiles"],
+        BALANCED=balanced,
         CONSUMER_REGISTERS=CONSUMER_REGISTERS,
         PRODUCER_REGISTERS=PRODUCER_REGISTERS,
         num_warps=4,  # the default partition: the first consumer
@@ -188,9 +230,15 @@ def _tile_ptr(p_full, p_partial, t, n_full):
 
 
 @gluon.jit
-def _work(w, num_tiles, tiles, tile_lists, stride_list_kind, stride_list_tile, stride_list_head):
+def _work(
+    w, num_tiles, tiles, tile_lists, stride_list_kind, stride_list_tile, stride_list_head, walk,
+    BALANCED: gl.constexpr,
+):  # fmt: skip
     """Work item w of the walk order (query tile, head): head-major, each head's query tiles last-first
-    (a sequence's last tiles see the most keys). Its sequence, absolute query tile, head and lists."""
+    (a sequence's last tiles see the most keys), or BALANCED, the walk's w-th entry of that order. Its
+    sequence, absolute query tile, head and lists."""
+    if BALANCED:
+        w = gl.load(walk + w)
     i_h = (w // num_tiles).to(gl.int64)
     i_t = (num_tiles - 1 - w % num_tiles).to(gl.int64)
     i_b = gl.load(tiles + 2 * i_t).to(gl.int64)
@@ -216,8 +264,8 @@ def _page_rows(n, p_bt, seq_len, page_size, cache_rows, pred, o_box, PAGE_ROWS: 
 def _producer(
     k_cache, v_cache, k_smem, v_smem, ready, empty, block_tables, seq_lens, tiles, tile_lists, stride_bt,
     stride_list_kind, stride_list_tile, stride_list_head, page_size, group, cache_rows, num_tiles,
-    num_heads, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_ROWS: gl.constexpr, STAGES: gl.constexpr,
-    DEVICE_DESCRIPTORS: gl.constexpr,
+    num_heads, walk, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_ROWS: gl.constexpr,
+    STAGES: gl.constexpr, DEVICE_DESCRIPTORS: gl.constexpr, BALANCED: gl.constexpr,
 ):  # fmt: skip
     """Copies the key tiles of the program's work items, in walk order, into the ring: the k-th tile
     goes to slot k % STAGES once both consumers have released it (`empty`), and completes on `ready`."""
@@ -236,8 +284,9 @@ def _producer(
     k = 0
     for w in range(gl.program_id(0), num_tiles * num_heads, gl.num_programs(0)):
         i_b, _, i_h, p_full, p_partial, n_full, count = _work(
-            w, num_tiles, tiles, tile_lists, stride_list_kind, stride_list_tile, stride_list_head
-        )
+            w, num_tiles, tiles, tile_lists, stride_list_kind, stride_list_tile, stride_list_head, walk,
+            BALANCED,
+        )  # fmt: skip
         seq_len = gl.load(seq_lens + i_b)
         kv_col = ((i_h // group) * HEAD_DIM).to(gl.int32)
         p_bt = block_tables + i_b * stride_bt
@@ -414,12 +463,13 @@ def _tile_mode(
 
 @gluon.jit
 def _item(w, num_tiles, tiles, tile_lists, stride_list_kind, stride_list_tile, stride_list_head, seq_lens,
-          query_start_loc):  # fmt: skip
+          query_start_loc, walk, BALANCED: gl.constexpr):  # fmt: skip
     """Work item w's scalars, its loads issued together (an item's are loaded during the one before):
     its query tile, head and lists (`_work`), its sequence's first query token, context and length."""
     i_b, i_qt, i_h, p_full, p_partial, n_full, count = _work(
-        w, num_tiles, tiles, tile_lists, stride_list_kind, stride_list_tile, stride_list_head
-    )
+        w, num_tiles, tiles, tile_lists, stride_list_kind, stride_list_tile, stride_list_head, walk,
+        BALANCED,
+    )  # fmt: skip
     q_begin = gl.load(query_start_loc + i_b)
     q_end = gl.load(query_start_loc + i_b + 1)
     seq_len = gl.load(seq_lens + i_b)
@@ -441,8 +491,9 @@ def _query_rows(
 def _consumer(
     q, out, lse, k_smem, v_smem, q_smem, v_own_smem, ready, empty, stride_qt, stride_qh, qk_scale,
     seq_lens, query_start_loc, tiles, tile_lists, block_mask, stride_list_kind, stride_list_tile,
-    stride_list_head, stride_mask_head, num_blocks, sparse_block, num_tiles, num_heads,
+    stride_list_head, stride_mask_head, num_blocks, sparse_block, num_tiles, num_heads, walk,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, LAYOUT_MASK: gl.constexpr, CONSUMER: gl.constexpr,
+    BALANCED: gl.constexpr,
 ):  # fmt: skip
     """Rows CONSUMER * ROWS .. + ROWS - 1 of each of the program's query tiles: the walk over the
     shared ring (the full tiles unmasked, then the partial ones as `_tile_mode` says), then the
@@ -461,7 +512,7 @@ def _consumer(
     col_io: gl.constexpr = gl.SliceLayout(0, io_layout)
     # What `_item` reads: the walk's tiles and lists, and the sequences' lengths and query starts.
     item_args = (tiles, tile_lists, stride_list_kind, stride_list_tile, stride_list_head, seq_lens)
-    item_args += (query_start_loc,)
+    item_args += (query_start_loc, walk, BALANCED)
     num_items = num_tiles * num_heads
     q_buf = q_smem.index(CONSUMER)
     v_own = v_own_smem.index(CONSUMER)
@@ -591,6 +642,7 @@ def hopper_prefill_kernel(
     cache_rows,
     num_tiles,
     num_heads,
+    walk,
     HEAD_DIM: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
@@ -598,6 +650,7 @@ def hopper_prefill_kernel(
     STAGES: gl.constexpr,
     LAYOUT_MASK: gl.constexpr,
     DEVICE_DESCRIPTORS: gl.constexpr,
+    BALANCED: gl.constexpr,
     CONSUMER_REGISTERS: gl.constexpr,
     PRODUCER_REGISTERS: gl.constexpr,
 ):
@@ -626,7 +679,7 @@ def hopper_prefill_kernel(
                     q, out, lse, k_smem, v_smem, q_smem, v_own_smem, ready, empty, stride_qt, stride_qh,
                     qk_scale, seq_lens, query_start_loc, tiles, tile_lists, block_mask, stride_list_kind,
                     stride_list_tile, stride_list_head, stride_mask_head, num_blocks, sparse_block,
-                    num_tiles, num_heads, BLOCK_N, STAGES, LAYOUT_MASK, 0,
+                    num_tiles, num_heads, walk, BLOCK_N, STAGES, LAYOUT_MASK, 0, BALANCED,
                 ),
             ),
             (
@@ -635,7 +688,7 @@ def hopper_prefill_kernel(
                     q, out, lse, k_smem, v_smem, q_smem, v_own_smem, ready, empty, stride_qt, stride_qh,
                     qk_scale, seq_lens, query_start_loc, tiles, tile_lists, block_mask, stride_list_kind,
                     stride_list_tile, stride_list_head, stride_mask_head, num_blocks, sparse_block,
-                    num_tiles, num_heads, BLOCK_N, STAGES, LAYOUT_MASK, 1,
+                    num_tiles, num_heads, walk, BLOCK_N, STAGES, LAYOUT_MASK, 1, BALANCED,
                 ),
             ),
             (
@@ -643,8 +696,8 @@ def hopper_prefill_kernel(
                 (
                     k_cache, v_cache, k_smem, v_smem, ready, empty, block_tables, seq_lens, tiles, tile_lists,
                     stride_bt, stride_list_kind, stride_list_tile, stride_list_head, page_size, group,
-                    cache_rows, num_tiles, num_heads, HEAD_DIM, BLOCK_N, PAGE_ROWS, STAGES,
-                    DEVICE_DESCRIPTORS,
+                    cache_rows, num_tiles, num_heads, walk, HEAD_DIM, BLOCK_N, PAGE_ROWS, STAGES,
+                    DEVICE_DESCRIPTORS, BALANCED,
                 ),
             ),
         ],

@@ -220,10 +220,17 @@ class PrefillPlan:
         lists = tile_lists.tile_lists(
             layout, batch.num_heads, max(batch.seq_lens), block_m, block_n, 1, device
         )
-        # [num_tiles, 2]: (sequence, absolute query tile) of each program, one host-to-device copy.
-        tiles = torch.tensor(tiles, dtype=torch.int32)
+        # [num_tiles, 2]: (sequence, absolute query tile) of each program, then the Hopper path's walk
+        # order when it balances its programs: one host-to-device copy.
+        host = torch.tensor(tiles, dtype=torch.int32).view(-1)
+        balanced = hopper and hopper_prefill.BALANCED_WALK
+        if balanced:
+            programs = hopper_prefill.num_programs(self.grid, device)
+            host = torch.cat(
+                [host, hopper_prefill.walk_order(lists.counts, tiles, batch.num_heads, programs)]
+            )
         if device.type == "cuda":
-            tiles = tiles.pin_memory()
+            host = host.pin_memory()
         # The kernel reads the block table as contiguous rows (a no-op when it already is).
         table = block_tables.contiguous()
         # Everything but q, out, lse and the caches, fixed at planning.
@@ -232,7 +239,7 @@ class PrefillPlan:
             block_tables=table,
             seq_lens=seq_lens.contiguous(),
             query_start_loc=query_start_loc.contiguous(),
-            tiles=tiles.to(device, non_blocking=True),
+            tiles=host.to(device, non_blocking=True),
             stride_bt=table.stride(0),
             **list_kwargs(lists),
             **shared_launch_kwargs(batch, k_cache, block_n),
@@ -250,7 +257,7 @@ class PrefillPlan:
         )
         if hopper:
             self.descriptors = hopper_prefill.CacheDescriptors(k_cache)
-            self.hopper = hopper_prefill.launch(self.grid, device, planned, self.descriptors)
+            self.hopper = hopper_prefill.launch(self.grid, device, planned, self.descriptors, balanced)
 
     def run(self, q, k_cache, v_cache):
         """out [num_tokens, num_heads, head_dim] in q's dtype; with return_lse also lse float32."""

@@ -20,7 +20,7 @@
 #                                             deliberately broken (keyed without pointer alignment):
 #                                             its test must fail
 #   bash reports/gpu_check.sh OUT_DIR hopper   the Hopper path's tests (tests/kernels/test_hopper_prefill.py),
-#                                             once more with each of five parts broken (each must
+#                                             once more with each of six parts broken (each must
 #                                             fail), its same-process A/B against the Triton kernel
 #                                             (reports/hopper_ab.py; HOPPER_AB_ARGS="--variants
 #                                             --previous .ab" adds its variants and the previous
@@ -81,8 +81,9 @@ case $part in
     tail -n 5 "$out/broken-launch.log" >> "$out/summary.txt"
     ;;
   hopper)
-    step 180 tests python3 -m pytest tests/kernels/test_hopper_prefill.py -q -p no:cacheprovider -n 4
-    tail -n 3 "$out/tests.log" >> "$out/summary.txt"
+    # The tests and the broken trees run side by side (their compiles fill the CPUs), each tree in
+    # its own copy; the timing runs after them, alone on the GPU.
+    step 240 tests python3 -m pytest tests/kernels/test_hopper_prefill.py -q -p no:cacheprovider -n 4 &
     # Broken on purpose, one capability each (name, sed edit, what the edit leaves, the tests that
     # must fail):
     # - v-copy: the consumers' copy of V keeps its non-finite rows (the non-finite V cases);
@@ -92,23 +93,29 @@ case $part in
     #   block table reaches the caches' last page);
     # - pairs: a pair of full tiles takes its first slot's V for both halves (the cases with pairs);
     # - epilogue: the finalize step no longer finds NaN or Inf in a row's accumulator (the non-finite
-    #   V cases whose row sees the key in a full tile).
-    broken=/tmp/broken-hopper
-    rm -rf "$broken" && mkdir -p "$broken" && tar --exclude=./.ab -cf - . | tar -xf - -C "$broken"
+    #   V cases whose row sees the key in a full tile);
+    # - walk: every program of a round takes the round's costliest item, the others none (the
+    #   balanced walk's case).
+    names=()
     while IFS='|' read -r name edit left tests; do
-      cp kernels/hopper_prefill.py "$broken/kernels/hopper_prefill.py"
+      names+=("$name")
+      broken=/tmp/broken-hopper-$name
+      rm -rf "$broken" && mkdir -p "$broken" && tar --exclude=./.ab -cf - . | tar -xf - -C "$broken"
       sed -i "$edit" "$broken/kernels/hopper_prefill.py"
       grep -qF "$left" "$broken/kernels/hopper_prefill.py" || echo "broken-$name: the edit did not apply" >> "$out/summary.txt"
-      (cd "$broken" && step 100 "broken-$name" python3 -m pytest tests/kernels/test_hopper_prefill.py -k "$tests" -q -p no:cacheprovider -n 4) < /dev/null
-      tail -n 6 "$out/broken-$name.log" >> "$out/summary.txt"
+      (cd "$broken" && step 240 "broken-$name" python3 -m pytest tests/kernels/test_hopper_prefill.py -k "$tests" -q -p no:cacheprovider -n 2) < /dev/null &
     done <<'BREAKS'
 v-copy|s/v_own.store(gl.where(m_v_bad\[:, None\], gl.zeros_like(b_v), b_v))/v_own.store(b_v)/|v_own.store(b_v)|v_cache
 mode|s/mask=uniform, other=1) != 0/mask=uniform, other=1) >= 0/|mask=uniform, other=1) >= 0|phi3 or rows or none
 descriptor|s/shape = \[cache_rows, width\]/shape = [cache_rows - page_size, width]/|shape = [cache_rows - page_size, width]|not v_cache and not k_cache
 pairs|s/warpgroup_mma(b_x1, v_smem.index(slot1)/warpgroup_mma(b_x1, v_smem.index(slot0)/|warpgroup_mma(b_x1, v_smem.index(slot0)|phi3-ctx0 or dense-P256 or rows
 epilogue|s/gl.sum(b_acc \* 0.0, 1) != 0.0/gl.sum(b_acc * 0.0, 1) > 0.0/|gl.sum(b_acc * 0.0, 1) > 0.0|v_cache
+walk|s/taken\[r, takers\] = items/taken[r, takers] = items[0]/|taken[r, takers] = items[0]|balanced
 BREAKS
-    step 300 hopper-ab python3 -m reports.hopper_ab --out "$out" --only "${HOPPER_AB_PARTS:-times,host}" ${HOPPER_AB_ARGS:-}
+    wait
+    tail -n 3 "$out/tests.log" >> "$out/summary.txt"
+    for name in "${names[@]}"; do tail -n 6 "$out/broken-$name.log" >> "$out/summary.txt"; done
+    step 330 hopper-ab python3 -m reports.hopper_ab --out "$out" --only "${HOPPER_AB_PARTS:-times,host}" ${HOPPER_AB_ARGS:-}
     tail -n 5 "$out/hopper-ab.log" >> "$out/summary.txt"
     step 100 ncu ncu --clock-control none -k regex:prefill_kernel -c "${NCU_LAUNCHES:-2}" \
       --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed.sum,gpu__time_duration.sum" \

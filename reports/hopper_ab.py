@@ -50,6 +50,7 @@ PATHS = [
 ]
 # --variants: the kernel with host-made TMA descriptors (the previous launch)
 VARIANTS = [
+    ("balanced", "kernels", True, {"BALANCED_WALK": True}),
     ("host_descriptors", "kernels", True, {"DEVICE_DESCRIPTORS": False}),
 ]
 HOST_DESCRIPTORS = VARIANTS[-1]

@@ -74,6 +74,20 @@ def hopper_path(monkeypatch):
 
 @pytest.mark.parametrize(("name", "poison"), PARAMS)
 def test_hopper_prefill(hopper_path, name, poison):
+    _judge(name, poison)
+
+
+def test_hopper_prefill_balanced_walk(hopper_path, monkeypatch):
+    """The programs take the items `walk_order` deals them (BALANCED_WALK, off by default): 1024 items
+    on the GPU's programs, each exactly once."""
+    monkeypatch.setattr(hopper_prefill, "BALANCED_WALK", True)
+    plan = _judge("phi3-ctx0-q4096", None)
+    assert plan.hopper.planned["BALANCED"], "the plan did not take the balanced walk"
+
+
+def _judge(name, poison):
+    """The case (its cache poisoned at one element) through the op on the Hopper path, against the
+    oracle; returns the case's plan."""
     case = CASES[name]
     inputs = build_inputs(case, "cuda")
     if poison is not None:
@@ -89,3 +103,4 @@ def test_hopper_prefill(hopper_path, name, poison):
         check_without_lse=True,
     )  # fmt: skip
     assert verdict.status == "passed", verdict.message
+    return plan
