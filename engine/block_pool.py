@@ -5,11 +5,12 @@ Policy:
       over a canonical byte encoding; the first page's parent is a per-engine seed and its extra keys
       carry the request's `cache_salt`.
     - Collision defence, O(page) per hit: a cached page is a hit only if its node holds the request's
-      page tokens and extra keys and its parent node *is* (identity) the node matched just before it;
-      a first page's parent is None, the engine seed. Complete by induction over the chain: if the node
-      matched at page i - 1 spells the request's first i pages (for i = 0: none, the seed), a node with
-      that parent and the request's page i spells its first i + 1. So a colliding hash, at this page or
-      at any before it, is caught whatever the hash function, and no prefix is ever compared again.
+      encoded page (the canonical bytes of its tokens and extra keys: one bytes comparison) and its
+      parent node *is* (identity) the node matched just before it; a first page's parent is None, the
+      engine seed. Complete by induction over the chain: if the node matched at page i - 1 spells the
+      request's first i pages (for i = 0: none, the seed), a node with that parent and the request's
+      page i spells its first i + 1. So a colliding hash, at this page or at any before it, is caught
+      whatever the hash function, and no prefix is ever compared again.
     - Lookup walks a request's page keys in order and stops at the first miss; it never returns more
       than `(num_tokens - 1) // page_size` pages (the last token is always computed).
     - Free pages form an LRU queue. Hits are touched (ref_count += 1, out of the queue) before new
@@ -36,11 +37,14 @@ Invariants (`check_invariants`):
 
 import functools
 import hashlib
+import itertools
 import math
 import struct
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
+
+import numpy as np
 
 SEED_DOMAIN = b"engine.block_pool.seed/v1"
 NO_EXTRA_KEYS_ENCODED = struct.pack("<Q", 0)
@@ -55,6 +59,7 @@ class PrefixNode:
     parent: "PrefixNode | None"  # None: the engine seed (a first page)
     token_ids: tuple[int, ...]
     extra_keys: tuple
+    encoded: bytes  # encode_page(token_ids, extra_keys): what a hit compares
 
 
 @dataclass(slots=True)
@@ -92,6 +97,16 @@ def encode_page(token_ids: tuple[int, ...] | list[int], extra_keys: tuple) -> by
     if not extra_keys:
         return tokens + NO_EXTRA_KEYS_ENCODED
     return b"".join([tokens, struct.pack("<Q", len(extra_keys)), *map(_encode, extra_keys)])
+
+
+def encode_pages(token_ids: list[int], page_size: int) -> list[bytes]:
+    """`encode_page(page, ())` of each page of `token_ids` (whole pages), built at once."""
+    packed = struct.pack(f"<{len(token_ids)}q", *token_ids)  # several times faster than np.array(list)
+    rows = np.zeros((len(token_ids) // page_size, page_size + 2), "<i8")  # last column: no extra keys
+    rows[:, 0] = page_size
+    rows[:, 1:-1] = np.frombuffer(packed, "<i8").reshape(-1, page_size)
+    # Each row viewed as one opaque item: tolist() then makes a bytes object a row, cheaper than slicing.
+    return rows.view(f"V{rows.itemsize * rows.shape[1]}").ravel().tolist()
 
 
 def hash_page(parent_hash: bytes, token_ids: tuple[int, ...] | list[int], extra_keys: tuple) -> bytes:
@@ -164,22 +179,20 @@ class BlockPool:
         return len(self.cached)
 
     def page_keys(self, seq) -> list[bytes]:
-        """Extends and returns `seq.page_keys`: the chained hash of each full page of `seq.token_ids`."""
-        keys, size, tokens = seq.page_keys, self.page_size, seq.token_ids
-        start, stop = len(keys) * size, len(tokens) // size * size
-        if start >= stop:
-            return keys
-        parent = keys[-1] if keys else self.seed_hash
-        if start == 0:  # the first page carries the request's cache_salt
-            parent = page_digest(parent, encode_page(tokens[:size], (seq.cache_salt,)))
-            keys.append(parent)
+        """Extends and returns `seq.page_keys`: the chained hash of each full page of `seq.token_ids`.
+
+        Extends `seq.encoded_pages` alongside: the encoded page each key hashes after its parent.
+        """
+        keys, encoded, size, tokens = seq.page_keys, seq.encoded_pages, self.page_size, seq.token_ids
+        start, stop = len(encoded) * size, len(tokens) // size * size
+        if start == 0 and stop > 0:  # the first page carries the request's cache_salt
+            encoded.append(encode_page(tokens[:size], (seq.cache_salt,)))
             start = size
-        # The later pages packed at once and sliced: `encode_page(page, ())` each, byte for byte, at
-        # a quarter less host time (reports/cpu/admission.md, docs/engine-notes.md).
-        body = struct.pack(f"<{stop - start}q", *tokens[start:stop])
-        head, step, digest = struct.pack("<Q", size), 8 * size, page_digest
-        for offset in range(0, len(body), step):
-            parent = digest(parent, b"".join((head, body[offset : offset + step], NO_EXTRA_KEYS_ENCODED)))
+        if start < stop:
+            encoded += encode_pages(tokens[start:stop], size)
+        parent = keys[-1] if keys else self.seed_hash
+        for page in encoded[len(keys) :]:
+            parent = page_digest(parent, page)
             keys.append(parent)
         return keys
 
@@ -187,33 +200,29 @@ class BlockPool:
         """Page ids of the longest cached prefix of `seq`, capped at (len(seq) - 1) // page_size pages."""
         if not self.enable_caching:
             return []
-        size, cached, pages = self.page_size, self.cached, self.pages
-        keys = self.page_keys(seq)[: (len(seq.token_ids) - 1) // size]
+        cached, pages = self.cached, self.pages
+        keys = self.page_keys(seq)[: (len(seq.token_ids) - 1) // self.page_size]
         if not keys or keys[0] not in cached:
             return []
-        tokens = tuple(seq.token_ids[: len(keys) * size])  # one tuple, sliced per page below
-        hits, prev, extra = [], None, (seq.cache_salt,)
-        for i, key in enumerate(keys):
+        hits, prev = [], None
+        for key, encoded in zip(keys, seq.encoded_pages, strict=False):  # keys are capped
             page_id = cached.get(key)
             if page_id is None:
                 break
-            node = pages[page_id].key.node
-            # The collision defence of the module docstring: this page's tokens and extra keys, and the
-            # identity of its parent with the node matched before it, which spells the prefix so far.
-            if (
-                node.parent is not prev
-                or node.extra_keys != extra
-                or node.token_ids != tokens[i * size : (i + 1) * size]
-            ):
+            node = pages[page_id].node
+            # The collision defence of the module docstring: this page's tokens and extra keys (their
+            # encoding), and the identity of its parent with the node matched before it.
+            if node.parent is not prev or node.encoded != encoded:
                 self.stats.collisions += 1
                 break
             hits.append(page_id)
-            prev, extra = node, ()
+            prev = node
         return hits
 
     def num_pages_needed(self, hits: list[int], num_new: int) -> int:
         """Free pages that allocate(hits, num_new) takes out of the LRU queue."""
-        return num_new + sum(1 for p in hits if self.pages[p].ref_count == 0)
+        # A page is in the LRU queue exactly while its ref count is 0 (check_invariants).
+        return num_new + sum(map(self.lru.__contains__, hits))
 
     def can_allocate(self, hits: list[int], num_new: int) -> bool:
         return self.num_pages_needed(hits, num_new) <= len(self.lru)
@@ -231,9 +240,9 @@ class BlockPool:
             if page.ref_count == 0:
                 del lru[page_id]
             page.ref_count += 1
-        table = list(hits)
-        for _ in range(num_new):
-            page_id, _ = lru.popitem(last=False)
+        new = list(itertools.islice(lru, num_new))  # the least recently freed; half popitem's cost
+        for page_id in new:
+            del lru[page_id]
             page = pages[page_id]
             if page.key is not None:  # lazy eviction
                 del self.cached[page.key.hash]
@@ -241,25 +250,24 @@ class BlockPool:
                 self.stats.evictions += 1
             page.node = None
             page.ref_count = 1
-            table.append(page_id)
         if num_query_tokens is not None:
             self.stats.queries += num_query_tokens
             self.stats.hits += len(hits) * self.page_size
-        return table
+        return [*hits, *new]
 
-    def _prefix_node(self, key: bytes, parent, token_ids: tuple, extra_keys: tuple) -> PrefixNode:
-        """The live node of this prefix if there is one, else a new one (registered if the hash is free)."""
+    def _prefix_node(self, key: bytes, new: PrefixNode) -> PrefixNode:
+        """The live node of `new`'s prefix if there is one, else `new` (registered if the hash is free)."""
         ref = self.prefix_nodes.get(key)
         node = ref() if ref is not None else None
         if node is None:
-            node = PrefixNode(parent, token_ids, extra_keys)
             if len(self.prefix_nodes) >= self._sweep_at:
                 # Dead entries go once the map has doubled: amortized O(1) per registration.
                 self.prefix_nodes = {h: r for h, r in self.prefix_nodes.items() if r() is not None}
                 self._sweep_at = 2 * (len(self.prefix_nodes) + self.num_pages)
-            self.prefix_nodes[key] = weakref.ref(node)
-        elif node.parent is not parent or node.token_ids != token_ids or node.extra_keys != extra_keys:
-            node = PrefixNode(parent, token_ids, extra_keys)  # a hash collision: this one stays unregistered
+            self.prefix_nodes[key] = weakref.ref(new)
+            return new
+        if node.parent is not new.parent or node.encoded != new.encoded:
+            return new  # a hash collision: this one stays unregistered
         return node
 
     def cache_full_pages(self, seq) -> None:
@@ -274,9 +282,9 @@ class BlockPool:
                 page = self.pages[table[i]]
                 if page.node is None:
                     tokens = tuple(seq.token_ids[i * size : (i + 1) * size])
-                    page.node = self._prefix_node(
-                        keys[i], parent, tokens, (seq.cache_salt,) if i == 0 else ()
-                    )
+                    extra_keys = (seq.cache_salt,) if i == 0 else ()
+                    new = PrefixNode(parent, tokens, extra_keys, seq.encoded_pages[i])
+                    page.node = self._prefix_node(keys[i], new)
                 if page.key is None and keys[i] not in self.cached:
                     page.key = PageKey(keys[i], page.node)
                     self.cached[keys[i]] = page.page_id

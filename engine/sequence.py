@@ -42,8 +42,9 @@ class Sequence:
 
     `token_ids` is the prompt followed by the generated tokens. The KV of the first
     `num_computed_tokens` tokens sits in the pages of `block_table` (in order). `page_keys` holds the
-    prefix-cache keys of the full pages of `token_ids` computed so far (filled by the block pool), and
-    the first `num_offered_pages` pages of `block_table` have been offered to the prefix cache.
+    prefix-cache keys of the full pages of `token_ids` computed so far and `encoded_pages` the canonical
+    encoding of each of those pages (both filled by the block pool); the first `num_offered_pages`
+    pages of `block_table` have been offered to the prefix cache.
     """
 
     seq_id: int
@@ -58,6 +59,7 @@ class Sequence:
     num_cached_tokens: int | None = None  # prefix-cache hit at the first scheduling
     num_preemptions: int = 0
     page_keys: list = field(default_factory=list)
+    encoded_pages: list = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     logits: list = field(default_factory=list)  # only with EngineConfig.record_logits
 

@@ -133,7 +133,12 @@ def pool_check(case: EngineCase) -> str:
         for j in rnd:
             tokens, salt = list(case.prompts[j]), case.salts[j]
             seq = SimpleNamespace(
-                token_ids=tokens, cache_salt=salt, page_keys=[], block_table=[], num_computed_tokens=0
+                token_ids=tokens,
+                cache_salt=salt,
+                page_keys=[],
+                encoded_pages=[],
+                block_table=[],
+                num_computed_tokens=0,
             )
             seq.num_offered_pages = 0
             where = f"round {k}, prompt {j}"

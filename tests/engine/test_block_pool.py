@@ -5,9 +5,10 @@ same scheduler (tests/engine/test_engine.py) can run on either one.
 """
 
 import hashlib
+from unittest.mock import patch
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, rule
 
@@ -307,3 +308,50 @@ def test_block_pool_prefix_cached_again_keeps_its_children():
         assert pool.lookup(query) == [0, 2]
         assert pool.stats.collisions == 0
         pool.check_invariants()
+
+
+@examples(4)
+@given(
+    data=st.data(),
+    page_size=st.integers(1, 3),
+    num_pages=st.integers(2, 12),
+    num_requests=st.integers(1, 12),
+)
+def test_block_pool_weak_hash_serves_only_true_prefixes(data, page_size, num_pages, num_requests):
+    """With a 2-bit page hash, keys collide all the time (other tokens, other parents, other salts); the
+    collision defence must still serve only pages that hold the request's salt and exact prefix."""
+    honest = block_pool.page_digest
+
+    def weak(parent: bytes, encoded: bytes) -> bytes:
+        return bytes([honest(parent, encoded)[0] % 4])
+
+    hits_served = 0
+    with patch.object(block_pool, "page_digest", weak):
+        pool = BlockPool(num_pages, page_size)
+        held = {}  # page id -> (salt, the prefix its KV was computed for), full pages only
+        live = []
+        for n in range(num_requests):
+            tokens = data.draw(pool_prompts(page_size))
+            salt = data.draw(st.sampled_from((None, "s")))
+            seq = Sequence(n, tokens, SamplingParams(), salt)
+            hits = pool.lookup(seq)
+            for i, page_id in enumerate(hits):
+                assert held.get(page_id) == (salt, tuple(tokens[: (i + 1) * page_size]))
+            hits_served += len(hits)
+            need = pages_for(len(tokens), page_size) - len(hits)
+            while live and not pool.can_allocate(hits, need):
+                pool.free(live.pop(0).block_table)
+            if not pool.can_allocate(hits, need):
+                continue
+            seq.block_table = pool.allocate(hits, need, len(tokens))
+            for i, page_id in enumerate(seq.block_table):
+                full = (i + 1) * page_size <= len(tokens)
+                held[page_id] = (salt, tuple(tokens[: (i + 1) * page_size])) if full else None
+            seq.num_offered_pages, seq.num_computed_tokens = len(hits), len(tokens)
+            pool.cache_full_pages(seq)
+            pool.check_invariants()
+            live.append(seq)
+            if data.draw(st.booleans()):
+                pool.free(live.pop(0).block_table)
+    event("a collision caught" if pool.stats.collisions else "no collision")
+    event("a page served" if hits_served else "no hit")
