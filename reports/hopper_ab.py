@@ -48,7 +48,8 @@ PATHS = [
     ("hopper", "kernels", True, {}),
     ("triton", "kernels", False, {}),
 ]
-# --variants: the kernel with host-made TMA descriptors (the previous launch)
+# --variants: the kernel with the balanced walk (off by default), and with host-made TMA descriptors
+# (the previous launch)
 VARIANTS = [
     ("balanced", "kernels", True, {"BALANCED_WALK": True}),
     ("host_descriptors", "kernels", True, {"DEVICE_DESCRIPTORS": False}),
