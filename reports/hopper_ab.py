@@ -2,9 +2,11 @@
 kernel it replaces on sm_90 (GPU only).
 
 `python3 -m reports.hopper_ab --out DIR [--only times,host,profile] [--variants [NAME,...]] [--previous DIR]
-[--rounds N] [--max-tokens N]`: the planned times of both paths (and of the variants, and of the
-previous commit's Hopper path) on rows of the kernel benchmark (reports/bench_kernels.py), in one
-process, each path timed once a round in turn (`--rounds`: the same-process spread); `host` breaks
+[--vllm DIR] [--rounds N] [--max-tokens N]`: the planned times of both paths (and of the variants, of
+the previous commit's Hopper path, and of vLLM's kernel on the Phi-3 rows, reports/vllm_baseline.py)
+on rows of the kernel benchmark (reports/bench_kernels.py), in one process, each timed once a round
+in turn (`--rounds`: the same-process spread); with `--vllm` the ratios to vLLM are to its time in
+this process, otherwise to issue 16's (bench_kernels.VLLM_MS); `host` breaks
 down the Hopper run's
 host time at 8k; `profile` runs each path once on the 8k Phi-3 prefill, for ncu. Writes hopper-ab.json
 under DIR and prints a table. The Hopper path's verdicts: tests/kernels/test_hopper_prefill.py.
@@ -22,6 +24,7 @@ import sys
 import torch
 
 from reports import bench_kernels as bk
+from reports.vllm_baseline import VllmPrefill
 
 
 @contextlib.contextmanager
@@ -68,9 +71,10 @@ TIME_ROWS = (
 ENQUEUE_TOKENS = 8192  # enqueue times are taken at these rows only (the queue is slow to fill at 128k)
 
 
-def times(save, paths, rounds: int = 1, max_tokens: int | None = None) -> list[dict]:
+def times(save, paths, rounds: int = 1, max_tokens: int | None = None, vllm=None) -> list[dict]:
     """The rows' times (up to max_tokens), each path timed once a round, in turn (`{path}_ms`: the
-    median of its rounds); `save(rows)` after each row (a run cut short keeps what it measured)."""
+    median of its rounds), with vLLM's kernel on the Phi-3 rows when `vllm` names its directory;
+    `save(rows)` after each row (a run cut short keeps what it measured)."""
     gen = torch.Generator().manual_seed(0)
     rows = []
     for n, queries, layout_name, page in TIME_ROWS:
@@ -87,6 +91,11 @@ def times(save, paths, rounds: int = 1, max_tokens: int | None = None) -> list[d
             row[f"{path}_took_hopper"] = plan.hopper is not None
             runs[path] = functools.partial(plan.run, p.q, p.k, p.v)
             outs[path] = runs[path]()
+        if vllm is not None and layout is not None:
+            k, v = (c[p.tables[0].long()].flatten(0, 1)[:n].contiguous() for c in (p.k, p.v))
+            mask = layout.block_mask(bk.HEADS, n // bk.SPARSE_BLOCK)
+            runs["vllm"] = VllmPrefill(vllm, p.q, k, v, mask, bk.SPARSE_BLOCK, bk.SCALE)
+            outs["vllm"] = runs["vllm"]()
         for _ in range(rounds):
             for path, run in runs.items():
                 row.setdefault(f"{path}_ms_rounds", []).append(bk.bench(run))
@@ -96,13 +105,17 @@ def times(save, paths, rounds: int = 1, max_tokens: int | None = None) -> list[d
         for path, out in outs.items():  # a sanity check; the verdicts are the tests'
             row[f"{path}_diff"] = (out.float() - outs["triton"].float()).abs().max().item()
         row["max_abs_diff"] = max(row[f"{path}_diff"] for path in outs)
-        vllm = bk.VLLM_MS.get((n, queries)) if layout is not None else None
+        row["vllm_issue_ms"] = bk.VLLM_MS.get((n, queries)) if layout is not None else None
+        vllm_ms = row.get("vllm_ms", row["vllm_issue_ms"])
         line = f"{layout_name} {n} q{queries} P{page}:"
         for path, *_ in paths:
-            row[f"vllm_over_{path}"] = vllm / row[f"{path}_ms"] if vllm else None
+            row[f"vllm_over_{path}"] = vllm_ms / row[f"{path}_ms"] if vllm_ms else None
             ms, us = row[f"{path}_ms"], row[f"{path}_enqueue_us"]
             line += f" {path} {ms:.3f} ms ({p.tflops(ms):.0f} TF/s" + (f", {us:.0f} us)" if us else ")")
-        print(line + f" diff {row['max_abs_diff']:.1e} vllm {vllm}", flush=True)
+        print(
+            line + f" diff {row['max_abs_diff']:.1e} vllm {vllm_ms} (issue {row['vllm_issue_ms']})",
+            flush=True,
+        )
         rows.append(row)
         save(rows)
     bk.PAGE_SIZE = 16
@@ -149,6 +162,9 @@ def main(argv=None) -> int:
         "--variants", nargs="?", const="all", help="also the kernel's VARIANTS (all, or NAME,NAME...)"
     )
     parser.add_argument("--previous", type=pathlib.Path, help="a directory holding kernels_prev")
+    parser.add_argument(
+        "--vllm", type=pathlib.Path, help="times: vLLM's kernel, reports.vllm_baseline --fetch DIR"
+    )
     parser.add_argument("--rounds", type=int, default=1, help="times: each path timed this many times")
     parser.add_argument("--max-tokens", type=int, help="times: only the rows of at most this many tokens")
     args = parser.parse_args(argv)
@@ -164,7 +180,7 @@ def main(argv=None) -> int:
         result[part] = rows
         (args.out / "hopper-ab.json").write_text(json.dumps(result, indent=1))
 
-    timed = functools.partial(times, rounds=args.rounds, max_tokens=args.max_tokens)
+    timed = functools.partial(times, rounds=args.rounds, max_tokens=args.max_tokens, vllm=args.vllm)
     parts = {"times": timed, "profile": profile, "host": host_parts}
     for part in args.only.split(","):
         save(part, parts[part](functools.partial(save, part), paths))
