@@ -138,9 +138,13 @@ class Prefill:
         plan = kernels.plan_prefill(*self.args(), scale=SCALE, layout=self.layout)
         return enqueue_us(lambda: plan.run(self.q, self.k, self.v))
 
+    def gathered(self):
+        """k, v [n, kv_heads, head_dim]: the sequence's K and V gathered through the block table."""
+        return (c[self.tables[0].long()].reshape(-1, KV_HEADS, HEAD_DIM) for c in (self.k, self.v))
+
     def contiguous(self):
         """q, k, v as [1, heads, tokens, head_dim], K/V gathered through the block table."""
-        k, v = (c[self.tables[0].long()].reshape(-1, KV_HEADS, HEAD_DIM) for c in (self.k, self.v))
+        k, v = self.gathered()
         return (t.transpose(0, 1)[None].contiguous() for t in (self.q, k, v))
 
     def tflops(self, ms: float) -> float:

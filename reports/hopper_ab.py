@@ -92,9 +92,8 @@ def times(save, paths, rounds: int = 1, max_tokens: int | None = None, vllm=None
             runs[path] = functools.partial(plan.run, p.q, p.k, p.v)
             outs[path] = runs[path]()
         if vllm is not None and layout is not None:
-            k, v = (c[p.tables[0].long()].flatten(0, 1)[:n].contiguous() for c in (p.k, p.v))
             mask = layout.block_mask(bk.HEADS, n // bk.SPARSE_BLOCK)
-            runs["vllm"] = VllmPrefill(vllm, p.q, k, v, mask, bk.SPARSE_BLOCK, bk.SCALE)
+            runs["vllm"] = VllmPrefill(vllm, p.q, *p.gathered(), mask, bk.SPARSE_BLOCK, bk.SCALE)
             outs["vllm"] = runs["vllm"]()
         for _ in range(rounds):
             for path, run in runs.items():
