@@ -56,9 +56,9 @@ DEVICE_DESCRIPTORS = True
 # group of 4) fill the register file at 168 a thread on average, one program an SM.
 MAX_REGISTERS, CONSUMER_REGISTERS, PRODUCER_REGISTERS = 168, 240, 24
 # Work items dealt round by round (each round's costliest item to its least-loaded program, `walk_order`)
-# instead of program p taking items p, p + num_programs, ...: off until a same-process A/B shows it
-# paying (reports/gpu/kernel-ab.md §15); an item's cost in full key tiles: a partial tile counts as
-# PARTIAL_COST, its set-up and epilogue as ITEM_COST.
+# instead of program p taking items p, p + num_programs, ...: off, since alone it was 3% faster at 32k
+# but 2-3% slower at 8k and at 32k with 8192 queries (reports/gpu/kernel-ab.md §17); an item's cost in
+# full key tiles: a partial tile counts as PARTIAL_COST, its set-up and epilogue as ITEM_COST.
 BALANCED_WALK = False
 PARTIAL_COST, ITEM_COST = 2.0, 4.0
 FALLBACK_WARPS = 8  # the Triton kernel's warps on these 128-row tiles (a run with misaligned caches)

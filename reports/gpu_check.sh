@@ -2,7 +2,8 @@
 # The GPU machine's checks in two calls that fit the device tool's 10-minute limit (torch/triton are
 # preinstalled there, no nox). Each step runs under a time cap and writes into OUT_DIR as it goes;
 # OUT_DIR.tgz beside it holds the lot (on the device tool: OUT_DIR=$OUT/suite, say).
-#   bash reports/gpu_check.sh OUT_DIR suite   the whole test suite (tabulated: kernels-tests.md),
+#   bash reports/gpu_check.sh OUT_DIR suite   the whole test suite (tabulated: kernels-tests.md;
+#                                             SUITE_PATHS: a part of it, SUITE_CAP: its seconds),
 #                                             compute-sanitizer memcheck on the named kernel cases
 #   bash reports/gpu_check.sh OUT_DIR bench   the kernel benchmark (A/B against .ab/, made by
 #                                             reports/previous_kernels.sh; carry .ab), the engine TTFT,
@@ -24,7 +25,8 @@
 #                                             fail), its same-process A/B against the Triton kernel
 #                                             (reports/hopper_ab.py; HOPPER_AB_ARGS="--variants
 #                                             --previous .ab" adds its variants and the previous
-#                                             commit's, carry .ab) and ncu's stall reasons
+#                                             commit's, carry .ab; "--vllm .vllm" vLLM's kernel, carry
+#                                             .vllm) and ncu's stall reasons (NCU_LAUNCHES=0: none)
 #   bash reports/gpu_check.sh OUT_DIR verdicts-rest    sharpness and false alarms on the GPU
 #                                             (sharpness.md), and an illegal memory access in the
 #                                             campaign (worker replaced), in --replay and in pytest
@@ -47,9 +49,11 @@ step() {  # cap_s, log name, command...
 case $part in
   suite)
     # -n 4: eight workers ran out of GPU memory on the 8k float64 Phi-3 oracle cases.
-    HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci} step 400 tests \
-      python3 -m reports.gpu_kernel_check --out "$out" -- tests -n 4
-    tail -n 25 "$out/tests.log" >> "$out/summary.txt"
+    # -vv (over gpu_kernel_check's -q) -rf: a run cut short by its cap still names its failures.
+    HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-ci} step "${SUITE_CAP:-400}" tests \
+      python3 -m reports.gpu_kernel_check --out "$out" -- ${SUITE_PATHS:-tests} -n 4 -vv -rf
+    grep -E "FAILED|ERROR" "$out/tests.log" >> "$out/summary.txt"
+    tail -n 3 "$out/tests.log" >> "$out/summary.txt"
     SANITIZER_TOOLS=memcheck SANITIZER_CAP=110 step 120 sanitizer bash reports/gpu_sanitizer.sh "$out"
     ;;
   bench)
@@ -117,7 +121,7 @@ BREAKS
     for name in "${names[@]}"; do tail -n 6 "$out/broken-$name.log" >> "$out/summary.txt"; done
     step 330 hopper-ab python3 -m reports.hopper_ab --out "$out" --only "${HOPPER_AB_PARTS:-times,host}" ${HOPPER_AB_ARGS:-}
     tail -n 5 "$out/hopper-ab.log" >> "$out/summary.txt"
-    step 100 ncu ncu --clock-control none -k regex:prefill_kernel -c "${NCU_LAUNCHES:-2}" \
+    [ "${NCU_LAUNCHES:-2}" = 0 ] || step 100 ncu ncu --clock-control none -k regex:prefill_kernel -c "${NCU_LAUNCHES:-2}" \
       --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed.sum,gpu__time_duration.sum" \
       python3 -m reports.hopper_ab --out /tmp/hopper-profile --only profile ${HOPPER_AB_ARGS:-}
     ;;

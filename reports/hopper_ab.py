@@ -60,9 +60,9 @@ VARIANTS = [
 HOST_DESCRIPTORS = VARIANTS[-1]
 # --previous DIR: the Hopper path of the commit in DIR/kernels_prev (reports/previous_kernels.sh)
 PREVIOUS = ("previous", "kernels_prev", True, {})
-# (tokens, queries, layout, page size): the issue's rows (reports/bench_kernels.py's VLLM_MS), with pages
-# of 64 and dense causal at 8k before the slow 128k rows.
-PHI3_ROWS = [(n, q, "phi3", 16) for n, q in bk.VLLM_MS]
+# (tokens, queries, layout, page size): the issue's table (reports/bench_kernels.py's ISSUE_TABLE), with
+# pages of 64 and dense causal at 8k before the slow 128k rows.
+PHI3_ROWS = [(n, q, "phi3", 16) for n, q in bk.ISSUE_TABLE]
 TIME_ROWS = (
     [row for row in PHI3_ROWS if row[0] < 131072]
     + [(8192, 8192, "phi3", 64), (8192, 8192, "dense", 16)]
@@ -92,9 +92,11 @@ def times(save, paths, rounds: int = 1, max_tokens: int | None = None, vllm=None
             runs[path] = functools.partial(plan.run, p.q, p.k, p.v)
             outs[path] = runs[path]()
         if vllm is not None and layout is not None:
+            # vLLM's CSR is int64; the int32 run checks that the index width does not slow it.
             mask = layout.block_mask(bk.HEADS, n // bk.SPARSE_BLOCK)
-            runs["vllm"] = VllmPrefill(vllm, p.q, *p.gathered(), mask, bk.SPARSE_BLOCK, bk.SCALE)
-            outs["vllm"] = runs["vllm"]()
+            for name, dtype in (("vllm", torch.int64), ("vllm_int32", torch.int32)):
+                runs[name] = VllmPrefill(vllm, p.q, *p.gathered(), mask, bk.SPARSE_BLOCK, bk.SCALE, dtype)
+                outs[name] = runs[name]()
         for _ in range(rounds):
             for path, run in runs.items():
                 row.setdefault(f"{path}_ms_rounds", []).append(bk.bench(run))
@@ -112,7 +114,8 @@ def times(save, paths, rounds: int = 1, max_tokens: int | None = None, vllm=None
             ms, us = row[f"{path}_ms"], row[f"{path}_enqueue_us"]
             line += f" {path} {ms:.3f} ms ({p.tflops(ms):.0f} TF/s" + (f", {us:.0f} us)" if us else ")")
         print(
-            line + f" diff {row['max_abs_diff']:.1e} vllm {vllm_ms} (issue {row['vllm_issue_ms']})",
+            line + f" diff {row['max_abs_diff']:.1e} vllm {vllm_ms} (int32 CSR {row.get('vllm_int32_ms')}, "
+            f"issue {row['vllm_issue_ms']})",
             flush=True,
         )
         rows.append(row)

@@ -16,7 +16,9 @@ blocksparse_attention/blocksparse_attention_kernel.py`, a Triton kernel; 0.10 an
 checks that a sequence's queries are all its tokens or one; the kernel itself takes a prefix (its
 `past_len`), so the copy drops that check, and the rows with 50/25/10% of the tokens as queries run.
 It reads the layout as a CSR of key blocks per query head and block row: `csr` builds that from our
-layout's block mask, so it computes exactly the layout the oracle does.
+layout's block mask, so it computes exactly the layout the oracle does, with int64 indices as vLLM's
+own `dense_to_crow_col` makes them. So fed, its times on the H200 match issue 16's within 0-2%; an
+int32 CSR slows it by 5-15% (reports/gpu/kernel-ab.md §16).
 """
 
 import argparse
@@ -57,15 +59,16 @@ def fetch(dest: pathlib.Path) -> None:
         (dest / path).write_text(text)
 
 
-def csr(block_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layout as vLLM's kernel reads it: crow int32 [H, NB + 1] and col int32 [H, max row] (key
-    blocks of each block row, ascending, padded with -1), from block_mask bool [H, NB, NB]."""
-    counts = block_mask.sum(-1, dtype=torch.int32)
-    crow = torch.nn.functional.pad(counts.cumsum(-1, dtype=torch.int32), (1, 0))
+def csr(block_mask: torch.Tensor, dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layout as vLLM's kernel reads it: crow [H, NB + 1] and col [H, max row] (key blocks of each
+    block row, ascending, padded with -1), from block_mask bool [H, NB, NB]. int64 by default, as
+    vLLM's own `dense_to_crow_col` makes them (numpy's index arrays)."""
+    counts = block_mask.sum(-1, dtype=dtype)
+    crow = torch.nn.functional.pad(counts.cumsum(-1, dtype=dtype), (1, 0))
     heads, width = block_mask.shape[0], int(crow[:, -1].max())
-    col = torch.full((heads, max(width, 1)), -1, dtype=torch.int32)
+    col = torch.full((heads, max(width, 1)), -1, dtype=dtype)
     for h in range(heads):
-        col[h, : int(crow[h, -1])] = block_mask[h].nonzero()[:, 1].to(torch.int32)
+        col[h, : int(crow[h, -1])] = block_mask[h].nonzero()[:, 1].to(dtype)
     return crow, col
 
 
@@ -75,9 +78,13 @@ class VllmPrefill:
 
     The host function (its syncs and small copies) runs once, at construction, with its launch
     recorded; a call relaunches that kernel with the same arguments and returns out [queries, H, D].
+    `index_dtype`: the CSR's (vLLM's int64; int32 for a check that it does not slow the kernel).
     """
 
-    def __init__(self, dest: pathlib.Path, q, k, v, block_mask: torch.Tensor, block_size: int, scale: float):
+    def __init__(
+        self, dest: pathlib.Path, q, k, v, block_mask: torch.Tensor, block_size: int, scale: float,
+        index_dtype: torch.dtype = torch.int64,
+    ):  # fmt: skip
         if str(dest) not in sys.path:  # one baseline a row, the path once
             sys.path.insert(0, str(dest))
         module = importlib.import_module(KERNEL.removesuffix(".py").replace("/", "."))
@@ -91,7 +98,7 @@ class VllmPrefill:
 
                 return launch
 
-        crow, col = (t.to(q.device) for t in csr(block_mask))
+        crow, col = (t.to(q.device) for t in csr(block_mask, index_dtype))
         cu_k = torch.tensor([0, k.shape[0]], dtype=torch.int32, device=q.device)
         cu_q = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
         module._fwd_kernel_batch_inference = Recorder()

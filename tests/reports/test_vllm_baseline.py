@@ -2,6 +2,7 @@
 columns spell exactly the block mask they were built from. (The kernel itself is fetched from a wheel
 and checked against the oracle by `python -m reports.vllm_baseline --check DIR`, not in CI.)"""
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -11,12 +12,13 @@ from reports.vllm_baseline import csr
 from tests.budgets import examples
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])  # vLLM's, and the check's
 @examples(2)
 @given(st.integers(1, 4), st.integers(1, 9), st.floats(0, 1), st.integers(0, 2**31 - 1))
-def test_csr_spells_the_block_mask(heads, num_blocks, density, seed):
+def test_csr_spells_the_block_mask(dtype, heads, num_blocks, density, seed):
     mask = ref.random_block_mask(heads, num_blocks, density, seed)
-    crow, col = csr(mask)
-    assert crow.dtype == col.dtype == torch.int32 and crow.shape == (heads, num_blocks + 1)
+    crow, col = csr(mask, dtype)
+    assert crow.dtype == col.dtype == dtype and crow.shape == (heads, num_blocks + 1)
     rebuilt = torch.zeros_like(mask)
     for h in range(heads):
         for row in range(num_blocks):
