@@ -4,7 +4,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.model import rope_tables, rotary
+from engine.model import DecoderLayer, ModelArgs, rope_tables, rotary
 
 MAX_POSITIONS, BASE = 4096, 10000.0
 EPS32 = torch.finfo(torch.float32).eps
@@ -32,3 +32,36 @@ def test_rotary_rotates_each_pair_by_its_position_angle(positions, head_dim, see
     norm = pairs.abs().repeat(1, 1, 2)
     bound = norm * (4 * EPS32 * MAX_POSITIONS + 8 * EPS32)
     assert bool(((got - want).abs() <= bound).all())
+
+
+@given(
+    heads=st.sampled_from([(1, 1), (4, 2), (6, 2)]),
+    head_dim=st.sampled_from([2, 16]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    seed=st.integers(0, 2**16),
+)
+def test_layer_hands_attention_each_of_q_and_k_turned(heads, head_dim, dtype, seed):
+    """The layer turns q and k in one call (their columns are adjacent): attention gets, bit for bit,
+    `rotary` of each of the projection's q and k, and its v as it is."""
+    n_heads, n_kv_heads = heads
+    args = ModelArgs(
+        vocab_size=8, dim=32, n_layers=1, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+        ffn_dim=16, sparse_block_size=16, local_blocks=1, vert_stride=1,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    layer = DecoderLayer(args)
+    for p in layer.parameters():
+        p.data = torch.randn(p.shape, generator=gen)
+    layer = layer.to(dtype)
+    h = torch.randn(11, 32, generator=gen).to(dtype)
+    cos, sin = rope_tables(MAX_POSITIONS, head_dim, BASE, "cpu")
+    pos = torch.randint(0, MAX_POSITIONS, (11,), generator=gen)
+    rope = (cos[pos].unsqueeze(1), sin[pos].unsqueeze(1))
+    seen = []
+    layer(h, rope, lambda q, k, v: seen.append((q, k, v)) or q.reshape(11, -1, head_dim)[:, :n_heads])
+    q_size, kv_size = n_heads * head_dim, n_kv_heads * head_dim
+    q, k, v = layer.qkv(layer.attn_norm(h)).split([q_size, kv_size, kv_size], dim=-1)
+    [(got_q, got_k, got_v)] = seen
+    assert torch.equal(got_q, rotary(q.reshape(11, n_heads, head_dim), *rope))
+    assert torch.equal(got_k, rotary(k.reshape(11, n_kv_heads, head_dim), *rope))
+    assert torch.equal(got_v, v.reshape(11, n_kv_heads, head_dim))
