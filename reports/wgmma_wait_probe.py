@@ -14,7 +14,10 @@ tile a step (reports/gpu/kernel-ab.md §12, §13, §17):
   and without its row sum too;
 - `scores_after_softmax`: the scores after next issued after the softmax, before the P.V's wait;
 - `predicated_wait`: the P.V's wait issued in inline PTX under a predicate computed from the new row
-  sums (always true), the compiler's own wait relaxed to one outstanding group.
+  sums (always true), the compiler's own wait relaxed to one outstanding group;
+- `convert_after_wait`: FlashAttention's CuTe DSL order (flash_attn/cute/flash_fwd_sm90.py): the
+  weights become the next bf16 operand only after the P.V's wait;
+- `barrier_before_wait`: a named-barrier arrival (bar.arrive, no waiter) after the row sums.
 """
 
 import argparse
@@ -38,7 +41,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.runtime import jit
 
 BIN = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-ORDERS = ["fa3", "keep_operand", "no_row_max", "no_reductions", "scores_after_softmax", "predicated_wait"]
+ORDERS = [
+    "fa3", "keep_operand", "no_row_max", "no_reductions", "scores_after_softmax", "predicated_wait",
+    "convert_after_wait", "barrier_before_wait",
+]  # fmt: skip
 
 
 @gluon.jit
@@ -104,6 +110,13 @@ def probe_kernel(q_ptr, k_ptr, v_ptr, o_ptr, n, zero, scale, ORDER: gl.constexpr
             o = warpgroup_mma(x, v_smem, o, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
             m, alpha, p, row_sum = _softmax_step(s, m, row_sum, scale, ORDER)
+            if ORDER == 6:  # convert_after_wait: the weights become the next operand after the wait
+                o, x = warpgroup_mma_wait(num_outstanding=0, deps=(o, x))
+            if ORDER == 7:  # barrier_before_wait: a named-barrier arrival after the row sums
+                row_sum = gl.inline_asm_elementwise(
+                    "{ bar.arrive 15, 128; mov.b32 $0, $1; }", "=r,r", [row_sum],
+                    dtype=gl.float32, is_pure=False, pack=1,
+                )  # fmt: skip
             x_next = gl.convert_layout(p.to(gl.bfloat16), p_layout)
             if ORDER == 1:  # keep_operand
                 z = gl.full(x.shape, zero, gl.int16, p_layout).to(gl.bfloat16, bitcast=True)
@@ -119,7 +132,7 @@ def probe_kernel(q_ptr, k_ptr, v_ptr, o_ptr, n, zero, scale, ORDER: gl.constexpr
                     "=r,r,r,r", [alpha, row_sum, zl], dtype=gl.float32, is_pure=False, pack=1,
                 )  # fmt: skip
                 o, x = warpgroup_mma_wait(num_outstanding=1, deps=(o, x))
-            else:
+            elif ORDER != 6:
                 o, x = warpgroup_mma_wait(num_outstanding=0, deps=(o, x))
             o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
             x = x_next
