@@ -93,8 +93,8 @@ def compile_for(kernel, args, kwargs, arch: int):
     )
 
 
-def resources(compiled, arch: int) -> dict:
-    """Registers, spill bytes and matrix/async instruction counts of a compiled kernel."""
+def ptxas_and_sass(compiled, arch: int) -> tuple[str, str]:
+    """What ptxas -v reports (registers, spills, its C#### notes) and the SASS of a compiled kernel."""
     with tempfile.TemporaryDirectory() as tmp:
         ptx = pathlib.Path(tmp) / "k.ptx"
         ptx.write_text(compiled.asm["ptx"])
@@ -109,6 +109,12 @@ def resources(compiled, arch: int) -> dict:
             capture_output=True,
             text=True,
         ).stdout
+    return report, sass
+
+
+def resources(compiled, arch: int) -> dict:
+    """Registers, spill bytes and matrix/async instruction counts of a compiled kernel."""
+    report, sass = ptxas_and_sass(compiled, arch)
     regs = re.search(r"Used (\d+) registers", report)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     ttgir = compiled.asm["ttgir"]

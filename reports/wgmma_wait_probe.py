@@ -23,24 +23,16 @@ tile a step (reports/gpu/kernel-ab.md §12, §13, §17):
 import argparse
 import pathlib
 import re
-import subprocess
-import tempfile
 
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import make_backend
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.runtime import jit
 
-BIN = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 ORDERS = [
     "fa3", "keep_operand", "no_row_max", "no_reductions", "scores_after_softmax", "predicated_wait",
     "convert_after_wait", "barrier_before_wait",
@@ -146,25 +138,11 @@ def probe_kernel(q_ptr, k_ptr, v_ptr, o_ptr, n, zero, scale, ORDER: gl.constexpr
 
 def compile_order(order: int) -> tuple[str, str]:
     """(ptxas's notes, SASS) of the probe in the given order (an index of ORDERS), for sm_90a."""
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
+    from reports.kernel_inspect import compile_for, ptxas_and_sass  # exits under TRITON_INTERPRET
+
     t, o = torch.empty(64, 128, dtype=torch.bfloat16), torch.empty(64, 128, dtype=torch.float32)
-    kwargs = dict(ORDER=order, num_warps=4)
-    binder = jit.create_function_from_signature(probe_kernel.signature, probe_kernel.params, backend)
-    bound, specialization, options = binder(t, t, t, o, 9, 7, 0.1, **kwargs)
-    options, signature, constexprs, attrs = probe_kernel._pack_args(
-        backend, kwargs, bound, specialization, options
-    )
-    source = GluonASTSource(probe_kernel, signature, constexprs, attrs)
-    compiled = triton.compile(source, target=target, options=options.__dict__)
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx, cubin = pathlib.Path(tmp) / "probe.ptx", pathlib.Path(tmp) / "probe.cubin"
-        ptx.write_text(compiled.asm["ptx"])
-        notes = subprocess.run(
-            [BIN / "ptxas", "-v", "-arch=sm_90a", str(ptx), "-o", str(cubin)], capture_output=True, text=True
-        ).stderr
-        sass = subprocess.run([BIN / "cuobjdump", "--dump-sass", str(cubin)], capture_output=True, text=True)
-    return notes, sass.stdout
+    compiled = compile_for(probe_kernel, (t, t, t, o, 9, 7, 0.1), dict(ORDER=order, num_warps=4), 90)
+    return ptxas_and_sass(compiled, 90)
 
 
 def overlap(sass: str) -> list[int]:
