@@ -2,11 +2,11 @@
 bundled ptxas and cuobjdump, no GPU).
 
 `python -m reports.wgmma_wait_probe [--dump DIR]` compiles one small Gluon loop for sm_90a in several
-orders and counts, in each loop body's SASS, the exponentials (MUFU.EX2) that run between the P.V
-product's issue and its wait (WARPGROUP.DEPBAR.LE gsb0, 0x0). The overlap needs all 32 of the next
-tile's there; ptxas's own notes (C7514: products serialized) are printed with them. The loop is the
-Hopper path's (kernels/hopper_prefill.py) full-tile step reduced to one warp group and one 64-key
-tile a step (reports/gpu/kernel-ab.md §12, §13, §17):
+orders and counts, for each P.V product in the SASS (the loop's, then the last tile's), the
+exponentials (MUFU.EX2) between its issue and its wait (WARPGROUP.DEPBAR.LE gsb0, 0x0). The overlap
+needs all 32 of the next tile's there; ptxas's own notes (C7514: products serialized) are printed
+with them. The loop is the Hopper path's (kernels/hopper_prefill.py) full-tile step reduced to one
+warp group and one 64-key tile a step (reports/gpu/kernel-ab.md §12, §13, §17):
 - `fa3`: the next scores issued with this tile's P.V, wait for the scores, softmax, wait for the P.V;
 - `keep_operand`: the same, the next P operand made to depend on this one (x_next ^ (x & zero), zero
   a run-time 0), so that ptxas cannot give it the in-flight operand's registers;
