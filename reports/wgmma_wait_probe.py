@@ -3,10 +3,11 @@ bundled ptxas and cuobjdump, no GPU).
 
 `python -m reports.wgmma_wait_probe [--dump DIR]` compiles one small Gluon loop for sm_90a in several
 orders and counts, for each P.V product in the SASS (the loop's, then the last tile's), the
-exponentials (MUFU.EX2) between its issue and its wait (WARPGROUP.DEPBAR.LE gsb0, 0x0). The overlap
-needs all 32 of the next tile's there; ptxas's own notes (C7514: products serialized) are printed
-with them. The loop is the Hopper path's (kernels/hopper_prefill.py) full-tile step reduced to one
-warp group and one 64-key tile a step (reports/gpu/kernel-ab.md §12, §13, §17):
+exponentials (MUFU.EX2) between its first instruction and its wait (WARPGROUP.DEPBAR.LE gsb0, 0x0).
+The overlap needs the next tile's there (32 weights and 2 rescale factors a step); ptxas's own notes
+(C7514: products serialized) are printed with them. The loop is the Hopper path's
+(kernels/hopper_prefill.py) full-tile step reduced to one warp group and one 64-key tile a step
+(reports/gpu/kernel-ab.md §12, §13, §17):
 - `fa3`: the next scores issued with this tile's P.V, wait for the scores, softmax, wait for the P.V;
 - `keep_operand`: the same, the next P operand made to depend on this one (x_next ^ (x & zero), zero
   a run-time 0), so that ptxas cannot give it the in-flight operand's registers;
@@ -17,7 +18,10 @@ warp group and one 64-key tile a step (reports/gpu/kernel-ab.md §12, §13, §17
   sums (always true), the compiler's own wait relaxed to one outstanding group;
 - `convert_after_wait`: FlashAttention's CuTe DSL order (flash_attn/cute/flash_fwd_sm90.py): the
   weights become the next bf16 operand only after the P.V's wait;
-- `barrier_before_wait`: a named-barrier arrival (bar.arrive, no waiter) after the row sums.
+- `barrier_before_wait`: a named-barrier arrival (bar.arrive, no waiter) after the row sums;
+- `max_before_pv`: the next scores waited for and their row maximum taken first, then the held
+  tile's P.V issued and the next exponentials run beside it;
+- `pair_split`: two tiles a step, the second's weights made after the first's P.V is issued.
 """
 
 import argparse
@@ -35,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 ORDERS = [
     "fa3", "keep_operand", "no_row_max", "no_reductions", "scores_after_softmax", "predicated_wait",
-    "convert_after_wait", "barrier_before_wait",
+    "convert_after_wait", "barrier_before_wait", "max_before_pv", "pair_split",
 ]  # fmt: skip
 
 
@@ -83,7 +87,38 @@ def probe_kernel(q_ptr, k_ptr, v_ptr, o_ptr, n, zero, scale, ORDER: gl.constexpr
     m, alpha, p, row_sum = _softmax_step(s, m, row_sum, scale, ORDER)
     x = gl.convert_layout(p.to(gl.bfloat16), p_layout)
     o = gl.zeros([64, 128], gl.float32, o_layout)
-    if ORDER == 4:  # scores_after_softmax: S_{j+1} is ready as the step starts, P_j.V in flight
+    if ORDER == 9:  # pair_split: two tiles a step, the second's weights made while the first's P.V runs
+        for _ in range(n):
+            s0 = warpgroup_mma(q_op, k_smem.permute((1, 0)), zs, use_acc=False, is_async=True)
+            s1 = warpgroup_mma(q_op, k_smem.permute((1, 0)), zs, use_acc=False, is_async=True)
+            s0, s1 = warpgroup_mma_wait(num_outstanding=0, deps=(s0, s1))
+            m_new = gl.maximum(m, gl.max(gl.maximum(s0, s1), 1))
+            alpha = gl.exp2((m - m_new) * scale)
+            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            shift = (m_new * scale)[:, None]
+            p0 = gl.exp2(s0 * scale - shift)
+            x0 = gl.convert_layout(p0.to(gl.bfloat16), p_layout)
+            o = warpgroup_mma(x0, v_smem, o, is_async=True)
+            p1 = gl.exp2(s1 * scale - shift)
+            x1 = gl.convert_layout(p1.to(gl.bfloat16), p_layout)
+            o = warpgroup_mma(x1, v_smem, o, is_async=True)
+            o, x0, x1 = warpgroup_mma_wait(num_outstanding=0, deps=(o, x0, x1))
+            row_sum = row_sum * alpha + gl.sum(p0 + p1, 1)
+            m = m_new
+    elif ORDER == 8:  # max_before_pv: scores and their row max first, then P.V beside the exponentials
+        for _ in range(n):
+            s = warpgroup_mma(q_op, k_smem.permute((1, 0)), zs, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            m_new = gl.maximum(m, gl.max(s, 1))
+            o = warpgroup_mma(x, v_smem, o, is_async=True)
+            alpha = gl.exp2((m - m_new) * scale)
+            p = gl.exp2(s * scale - (m_new * scale)[:, None])
+            o, x = warpgroup_mma_wait(num_outstanding=0, deps=(o, x))
+            row_sum = row_sum * alpha + gl.sum(p, 1)
+            x = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            m = m_new
+    elif ORDER == 4:  # scores_after_softmax: S_{j+1} is ready as the step starts, P_j.V in flight
         o = warpgroup_mma(x, v_smem, o, is_async=True)
         s = warpgroup_mma(q_op, k_smem.permute((1, 0)), zs, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
@@ -146,11 +181,11 @@ def compile_order(order: int) -> tuple[str, str]:
 
 
 def overlap(sass: str) -> list[int]:
-    """For each P.V product's last instruction (an HGMMA 64x128 closing its group, `gsb0`), in SASS
-    order (the loop's, then the last tile's), the exponentials between it and the next full wait."""
+    """For each P.V product in the SASS (a group of HGMMA 64x128 instructions; the loop's, then the
+    last tile's), the exponentials between its first instruction and the next full wait."""
     counts, open_pv = [], None
     for line in sass.splitlines():
-        if "HGMMA.64x128x16" in line and "gsb0" in line:
+        if "HGMMA.64x128x16" in line and open_pv is None:
             open_pv = 0
         elif "MUFU.EX2" in line and open_pv is not None:
             open_pv += 1
@@ -164,7 +199,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--dump", type=pathlib.Path, help="write each order's SASS here")
     args = parser.parse_args(argv)
-    print("| order | exponentials between the P.V's issue and its wait | ptxas notes |")
+    print("| order | exponentials beside the P.V (the loop's, then the last tile's) | ptxas notes |")
     print("| --- | --- | --- |")
     for i, name in enumerate(ORDERS):
         notes, sass = compile_order(i)
