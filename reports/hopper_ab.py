@@ -6,8 +6,7 @@ kernel it replaces on sm_90 (GPU only).
 the previous commit's Hopper path, and of vLLM's kernel on the Phi-3 rows, reports/vllm_baseline.py)
 on rows of the kernel benchmark (reports/bench_kernels.py), in one process, each timed once a round
 in turn (`--rounds`: the same-process spread); with `--vllm` the ratios to vLLM are to its time in
-this process, otherwise to issue 16's (bench_kernels.VLLM_MS); `host` breaks
-down the Hopper run's
+this process, otherwise to issue 16's (bench_kernels.VLLM_MS); `host` breaks down the Hopper run's
 host time at 8k; `profile` runs each path once on the 8k Phi-3 prefill, for ncu. Writes hopper-ab.json
 under DIR and prints a table. The Hopper path's verdicts: tests/kernels/test_hopper_prefill.py.
 """
