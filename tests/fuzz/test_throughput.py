@@ -123,4 +123,5 @@ def test_time_split_adds_up_per_target():
     split = time_split(tally)["prefill"]
     assert split["cases"] == 2 and set(split["seconds"]) == set(TIME_PHASES)
     assert split["seconds"]["compile"] == 4.0 and split["ms_per_case"]["compile"] == 2000.0
-    assert abs(sum(split["share"].values()) - 1.0) < 1e-3
+    # Each share is rounded to 3 decimals: their sum is within half a unit of the last place each of 1.
+    assert abs(sum(split["share"].values()) - 1.0) <= len(TIME_PHASES) * 5e-4 + 1e-12
