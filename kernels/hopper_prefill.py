@@ -61,6 +61,10 @@ MAX_REGISTERS, CONSUMER_REGISTERS, PRODUCER_REGISTERS = 168, 240, 24
 # full key tiles: a partial tile counts as PARTIAL_COST, its set-up and epilogue as ITEM_COST.
 BALANCED_WALK = False
 PARTIAL_COST, ITEM_COST = 2.0, 4.0
+# A diagnostic, None in production: an int64 tensor [programs, 2, rounds, TIMELINE_FIELDS] that each
+# consumer fills with clock stamps of its items' phases (reports/hopper_timeline.py).
+TIMELINE = None
+TIMELINE_FIELDS = 8
 FALLBACK_WARPS = 8  # the Triton kernel's warps on these 128-row tiles (a run with misaligned caches)
 HEAD_DIMS = (64, 128)
 MIN_PAGE_ROWS = 8  # the 128-byte swizzle's atom: a TMA copy into a slot starts on one
@@ -77,6 +81,7 @@ SKIP, WHOLE, PART = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)  # a parti
 FINITE_MIN = gl.constexpr(-3.4028234663852886e38)
 NEG_INF = gl.constexpr(float("-inf"))
 LN2 = gl.constexpr(0.6931471805599453)
+TIMELINE_FIELDS_C = gl.constexpr(TIMELINE_FIELDS)
 
 
 def on_hopper(device: torch.device) -> bool:
@@ -149,6 +154,10 @@ def launch(
     names = set(hopper_prefill_kernel.arg_names)
     num_tiles, num_heads = grid
     programs = num_programs(grid, device)
+    if TIMELINE is not None:  # the kernel writes every stamp it may take: the buffer must hold them all
+        shape = (programs, 2, -(-num_tiles * num_heads // programs), TIMELINE_FIELDS)
+        if TIMELINE.dtype != torch.int64 or tuple(TIMELINE.shape) != shape or TIMELINE.device != device:
+            raise ValueError(f"hopper_prefill.TIMELINE: expected int64 {list(shape)} on {device}")
     return BoundLaunch(
         hopper_prefill_kernel,
         (programs,),
@@ -163,6 +172,8 @@ def launch(
         DEVICE_DESCRIPTORS=descriptors.on_device,
         walk=planned["tiles"][2 * num_tiles :] if balanced else planned["tiles"],
         BALANCED=balanced,
+        timeline=planned["tiles"] if TIMELINE is None else TIMELINE,
+        TIMELINE=TIMELINE is not None,
         CONSUMER_REGISTERS=CONSUMER_REGISTERS,
         PRODUCER_REGISTERS=PRODUCER_REGISTERS,
         num_warps=4,  # the default partition: the first consumer
@@ -221,6 +232,17 @@ def _io_layout(head_dim, num_warps):
 def _mma_layout(n, num_warps):
     # A warp group's wgmma accumulator of N = n columns: 64 rows, 16 a warp.
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def _stamp(p_stamp, x, GLOBAL: gl.constexpr = False):
+    """The timeline's stamp at p_stamp, read once x is known: the SM's cycle counter, or GLOBAL the
+    device's nanosecond timer (comparable across programs)."""
+    register: gl.constexpr = "%globaltimer" if GLOBAL else "%clock64"
+    clock = gl.inline_asm_elementwise(
+        f"mov.u64 $0, {register};", "=l,r", [x], dtype=gl.int64, is_pure=False, pack=1
+    )
+    gl.store(p_stamp, clock)
 
 
 @gluon.jit
@@ -491,13 +513,15 @@ def _query_rows(
 def _consumer(
     q, out, lse, k_smem, v_smem, q_smem, v_own_smem, ready, empty, stride_qt, stride_qh, qk_scale,
     seq_lens, query_start_loc, tiles, tile_lists, block_mask, stride_list_kind, stride_list_tile,
-    stride_list_head, stride_mask_head, num_blocks, sparse_block, num_tiles, num_heads, walk,
+    stride_list_head, stride_mask_head, num_blocks, sparse_block, num_tiles, num_heads, walk, timeline,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, LAYOUT_MASK: gl.constexpr, CONSUMER: gl.constexpr,
-    BALANCED: gl.constexpr,
+    BALANCED: gl.constexpr, TIMELINE: gl.constexpr,
 ):  # fmt: skip
     """Rows CONSUMER * ROWS .. + ROWS - 1 of each of the program's query tiles: the walk over the
     shared ring (the full tiles unmasked, then the partial ones as `_tile_mode` says), then the
-    outputs."""
+    outputs. With TIMELINE, an item's stamps: its start on both clocks, the cycle counter after its
+    full tiles, after its partial tiles and once its stores are issued, the nanosecond timer then,
+    and its lists' lengths."""
     ROWS: gl.constexpr = q_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
     NUM_WARPS: gl.constexpr = gl.num_warps()
@@ -527,7 +551,14 @@ def _consumer(
     p_q = q + o_tok_io[:, None] * stride_qt + i_h * stride_qh + o_d_io[None, :]
     b_q = gl.load(p_q, mask=m_m_io[:, None], other=0.0)
     k = 0
+    rounds = (num_items + gl.num_programs(0) - 1) // gl.num_programs(0)
+    p_stamp = timeline + (gl.program_id(0) * 2 + CONSUMER).to(gl.int64) * rounds * TIMELINE_FIELDS_C
     for w in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        if TIMELINE:
+            _stamp(p_stamp, w, True)
+            _stamp(p_stamp + 1, w)
+            gl.store(p_stamp + 6, n_full.to(gl.int64))
+            gl.store(p_stamp + 7, count.to(gl.int64))
         # Every warp of the group is past the previous item's last product (a wait covers the group).
         q_buf.store(b_q)
         fence_async_shared()
@@ -554,6 +585,8 @@ def _consumer(
                 LAYOUT_MASK, False,
             )  # fmt: skip
         k += n_full
+        if TIMELINE:
+            _stamp(p_stamp + 2, k)
         # A tile partial for the 128-row query tile is often none of this group's business, or whole
         # for it (the local window's edge blocks, the diagonal's halves): those take no masks. Their
         # scores read Q from shared memory: the registers go to the masks and V's copy.
@@ -582,6 +615,8 @@ def _consumer(
                     m_m, p_mask_row, seq_len, sparse_block, qk_scale, BLOCK_N, STAGES, LAYOUT_MASK, True,
                 )  # fmt: skip
         k += n_partial
+        if TIMELINE:
+            _stamp(p_stamp + 3, k)
 
         # The next item's scalars and Q, loading during this one's epilogue.
         w_next = w + gl.num_programs(0)
@@ -610,6 +645,10 @@ def _consumer(
         o_out = o_tok_io[:, None] * num_heads + i_h
         gl.store(out + o_out * HEAD_DIM + o_d_io[None, :], b_out, mask=m_m_io[:, None])
         gl.store(lse + o_tok_io * num_heads + i_h, gl.convert_layout(b_lse, row_io), mask=m_m_io)
+        if TIMELINE:
+            _stamp(p_stamp + 4, k)
+            _stamp(p_stamp + 5, k, True)
+            p_stamp += TIMELINE_FIELDS_C
         i_qt, i_h, p_full, p_partial, n_full, count, q_begin, context, seq_len = item
 
 
@@ -643,6 +682,7 @@ def hopper_prefill_kernel(
     num_tiles,
     num_heads,
     walk,
+    timeline,
     HEAD_DIM: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
@@ -651,6 +691,7 @@ def hopper_prefill_kernel(
     LAYOUT_MASK: gl.constexpr,
     DEVICE_DESCRIPTORS: gl.constexpr,
     BALANCED: gl.constexpr,
+    TIMELINE: gl.constexpr,
     CONSUMER_REGISTERS: gl.constexpr,
     PRODUCER_REGISTERS: gl.constexpr,
 ):
@@ -679,7 +720,7 @@ def hopper_prefill_kernel(
                     q, out, lse, k_smem, v_smem, q_smem, v_own_smem, ready, empty, stride_qt, stride_qh,
                     qk_scale, seq_lens, query_start_loc, tiles, tile_lists, block_mask, stride_list_kind,
                     stride_list_tile, stride_list_head, stride_mask_head, num_blocks, sparse_block,
-                    num_tiles, num_heads, walk, BLOCK_N, STAGES, LAYOUT_MASK, 0, BALANCED,
+                    num_tiles, num_heads, walk, timeline, BLOCK_N, STAGES, LAYOUT_MASK, 0, BALANCED, TIMELINE,
                 ),
             ),
             (
@@ -688,7 +729,7 @@ def hopper_prefill_kernel(
                     q, out, lse, k_smem, v_smem, q_smem, v_own_smem, ready, empty, stride_qt, stride_qh,
                     qk_scale, seq_lens, query_start_loc, tiles, tile_lists, block_mask, stride_list_kind,
                     stride_list_tile, stride_list_head, stride_mask_head, num_blocks, sparse_block,
-                    num_tiles, num_heads, walk, BLOCK_N, STAGES, LAYOUT_MASK, 1, BALANCED,
+                    num_tiles, num_heads, walk, timeline, BLOCK_N, STAGES, LAYOUT_MASK, 1, BALANCED, TIMELINE,
                 ),
             ),
             (

@@ -1,14 +1,15 @@
 """Same-process A/B of the planned prefill's Hopper path (kernels/hopper_prefill.py) against the Triton
 kernel it replaces on sm_90 (GPU only).
 
-`python3 -m reports.hopper_ab --out DIR [--only times,host,profile] [--variants [NAME,...]] [--previous DIR]
-[--vllm DIR] [--rounds N] [--max-tokens N]`: the planned times of both paths (and of the variants, of
-the previous commit's Hopper path, and of vLLM's kernel on the Phi-3 rows, reports/vllm_baseline.py)
-on rows of the kernel benchmark (reports/bench_kernels.py), in one process, each timed once a round
-in turn (`--rounds`: the same-process spread); with `--vllm` the ratios to vLLM are to its time in
-this process, otherwise to issue 16's (bench_kernels.VLLM_MS); `host` breaks down the Hopper run's
-host time at 8k; `profile` runs each path once on the 8k Phi-3 prefill, for ncu. Writes hopper-ab.json
-under DIR and prints a table. The Hopper path's verdicts: tests/kernels/test_hopper_prefill.py.
+`python3 -m reports.hopper_ab --out DIR [--only times,host,profile,timeline] [--variants [NAME,...]]
+[--previous DIR] [--vllm DIR] [--rounds N] [--max-tokens N]`: the planned times of both paths (and of the
+variants, of the previous commit's Hopper path, and of vLLM's kernel on the Phi-3 rows,
+reports/vllm_baseline.py) on rows of the kernel benchmark (reports/bench_kernels.py), in one process, each
+timed once a round in turn (`--rounds`: the same-process spread); with `--vllm` the ratios to vLLM are to its
+time in this process, otherwise to issue 16's (bench_kernels.VLLM_MS); `host` breaks down the Hopper run's
+host time at 8k; `profile` runs each path once on the 8k Phi-3 prefill, for ncu; `timeline` summarizes the
+Hopper paths' own timelines (reports/hopper_timeline.py). Writes hopper-ab.json under DIR and prints a table.
+The Hopper path's verdicts: tests/kernels/test_hopper_prefill.py.
 """
 
 import argparse
@@ -23,6 +24,7 @@ import sys
 import torch
 
 from reports import bench_kernels as bk
+from reports import hopper_timeline
 from reports.vllm_baseline import VllmPrefill
 
 
@@ -182,7 +184,7 @@ def main(argv=None) -> int:
         (args.out / "hopper-ab.json").write_text(json.dumps(result, indent=1))
 
     timed = functools.partial(times, rounds=args.rounds, max_tokens=args.max_tokens, vllm=args.vllm)
-    parts = {"times": timed, "profile": profile, "host": host_parts}
+    parts = {"times": timed, "profile": profile, "host": host_parts, "timeline": hopper_timeline.timeline}
     for part in args.only.split(","):
         save(part, parts[part](functools.partial(save, part), paths))
     return 0

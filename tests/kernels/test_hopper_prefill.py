@@ -104,3 +104,45 @@ def _judge(name, poison):
     )  # fmt: skip
     assert verdict.status == "passed", verdict.message
     return plan
+
+
+def test_hopper_timeline(hopper_path):
+    """The diagnostic timeline (hopper_prefill.TIMELINE, reports/hopper_timeline.py) of a Phi-3 prefill:
+    both consumers take every item once, each item's stamps come in phase order, its list lengths are
+    the plan's, and the output is the same as without it."""
+    from kernels import tile_lists
+    from reports import bench_kernels as bk
+    from reports import hopper_timeline as ht
+
+    n, queries = 4096, 2048
+    p = bk.Prefill(n, queries, bk.phi3_layout(), torch.Generator().manual_seed(0))
+    plan = paged_prefill.plan_prefill(*p.args(), scale=bk.SCALE, layout=p.layout)
+    expected = plan.run(p.q, p.k, p.v)
+    t, out = ht.stamps(paged_prefill, p, p.layout)
+    assert torch.equal(out, expected)
+    taken = t[..., ht.NS_START] > 0
+    assert (taken.sum(dim=(0, 2)) == plan.grid[0] * plan.grid[1]).all()
+    order = [ht.START, ht.AFTER_FULL, ht.AFTER_PARTIAL, ht.END]
+    assert (t[..., order].diff(dim=-1)[taken] >= 0).all()
+    assert (t[..., ht.NS_END] >= t[..., ht.NS_START])[taken].all()
+    lists = tile_lists.tile_lists(
+        p.layout, bk.HEADS, n, hopper_prefill.BLOCK_M, hopper_prefill.BLOCK_N, 1, "cpu"
+    )
+    first = (n - queries) // hopper_prefill.BLOCK_M
+    counts = lists.counts[:, first : n // hopper_prefill.BLOCK_M].expand(-1, -1, bk.HEADS).sum(dim=(1, 2))
+    for consumer in range(2):
+        mine = t[:, consumer][taken[:, consumer]]
+        assert mine[:, ht.N_FULL].sum() == counts[0]
+        assert mine[:, ht.COUNT].sum() == counts.sum()
+    summary = ht.summarize(t)
+    assert sum(summary["share"].values()) == pytest.approx(1.0)
+
+
+def test_hopper_timeline_refuses_a_short_buffer(hopper_path, monkeypatch):
+    """A timeline buffer that cannot hold every stamp is refused at planning, not written past."""
+    inputs = build_inputs(CASES["dense-ctx223-q777-P16"], "cuda")
+    monkeypatch.setattr(hopper_prefill, "TIMELINE", torch.zeros(1, 2, 1, 8, dtype=torch.int64, device="cuda"))
+    with pytest.raises(ValueError, match="TIMELINE"):
+        paged_prefill.plan_prefill(
+            *attention_args(inputs, decode=False), scale=inputs["scale"], layout=inputs["layout"]
+        )

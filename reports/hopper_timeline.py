@@ -1,0 +1,133 @@
+"""Where a Hopper prefill's time goes, item by item (GPU only): the kernel's diagnostic timeline
+(`kernels.hopper_prefill.TIMELINE`), summarized.
+
+Each consumer stamps each (query tile, head) item it takes with the SM's cycle counter at its start,
+after its full key tiles, after its partial ones and after its output stores, and with the device's
+nanosecond timer at its start and end. `summarize` turns that into: the programs' imbalance (how long
+each one's last item ends before the kernel's last), the share of a consumer's time in each phase,
+the cycles a full and a partial key tile cost, and the cycles an item spends outside its key tiles.
+Run through `python3 -m reports.hopper_ab --only timeline` (hopper-ab.json's `timeline` part).
+"""
+
+import statistics
+
+import torch
+
+from kernels import hopper_prefill
+from reports import bench_kernels as bk
+
+# (tokens, queries, layout): the 8k rows short of issue 16's target, 32k, and dense causal 8k.
+ROWS = [
+    (8192, 8192, "phi3"),
+    (8192, 4096, "phi3"),
+    (8192, 2048, "phi3"),
+    (8192, 832, "phi3"),
+    (32768, 32768, "phi3"),
+    (8192, 8192, "dense"),
+]
+# The stamps' fields (TIMELINE_FIELDS of them an item).
+NS_START, START, AFTER_FULL, AFTER_PARTIAL, END, NS_END, N_FULL, COUNT = range(hopper_prefill.TIMELINE_FIELDS)
+
+
+def stamps(prefill, p, layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """One run of the Hopper path on problem p (a reports.bench_kernels.Prefill) with the timeline on:
+    its stamps, int64 [programs, 2, rounds, TIMELINE_FIELDS] (items a program did not take are all
+    zero), and its output."""
+    plan = prefill.plan_prefill(*p.args(), scale=bk.SCALE, layout=layout)
+    programs = hopper_prefill.num_programs(plan.grid, p.q.device)
+    rounds = -(-plan.grid[0] * plan.grid[1] // programs)
+    buffer = torch.zeros(
+        programs, 2, rounds, hopper_prefill.TIMELINE_FIELDS, dtype=torch.int64, device="cuda"
+    )
+    hopper_prefill.TIMELINE = buffer
+    try:
+        plan = prefill.plan_prefill(*p.args(), scale=bk.SCALE, layout=layout)
+    finally:
+        hopper_prefill.TIMELINE = None
+    for _ in range(3):  # compiled and warm
+        plan.run(p.q, p.k, p.v)
+    buffer.zero_()
+    out = plan.run(p.q, p.k, p.v)
+    torch.cuda.synchronize()
+    return buffer.cpu(), out
+
+
+def summarize(t: torch.Tensor) -> dict:
+    """The timeline `t` [programs, 2, rounds, fields] in microseconds and cycles (see the docstring)."""
+    taken = t[..., NS_START] > 0
+    ns_start = t[..., NS_START][taken].min().item()
+    ns_end = t[..., NS_END].max().item()
+    span_us = (ns_end - ns_start) / 1e3
+    # Each program's clock rate, from its own first start and last end on both clocks.
+    prog_end_ns = t[..., NS_END].amax(dim=(1, 2)).double()
+    prog_start_ns = torch.where(taken, t[..., NS_START], ns_end).amin(dim=(1, 2)).double()
+    first = t[:, :, 0]
+    last_round = taken.sum(dim=2) - 1  # [programs, 2]
+    index = last_round.clamp(min=0)[:, :, None, None].expand(-1, -1, 1, t.shape[-1])
+    last = t.gather(2, index)[:, :, 0]
+    ghz = (last[..., END] - first[..., START]).double() / (last[..., NS_END] - first[..., NS_START]).double()
+    cycles_per_us = statistics.median(ghz.flatten().tolist()) * 1e3
+    phase = {
+        "full": t[..., AFTER_FULL] - t[..., START],
+        "partial": t[..., AFTER_PARTIAL] - t[..., AFTER_FULL],
+        "epilogue": t[..., END] - t[..., AFTER_PARTIAL],
+    }
+    # Between an item's end and the next one's start (the loop's own work), per consumer.
+    between = (t[:, :, 1:, START] - t[:, :, :-1, END])[taken[:, :, 1:]]
+    n_full, n_partial = t[..., N_FULL][taken].double(), (t[..., COUNT] - t[..., N_FULL])[taken].double()
+    full_cycles, partial_cycles = phase["full"][taken].double(), phase["partial"][taken].double()
+    # Least squares of the full phase on its tile count (slope: a full tile; intercept: the item's start).
+    a = torch.stack([n_full, torch.ones_like(n_full)], 1)
+    slope, intercept = torch.linalg.lstsq(a, full_cycles[:, None]).solution[:, 0].tolist()
+    busy = {name: cycles[taken].double().sum().item() for name, cycles in phase.items()}
+    busy["between"] = between.double().sum().item()
+    total = sum(busy.values())
+    consumers = taken.any(dim=2).sum().item()
+    return {
+        "span_us": span_us,
+        "ghz": cycles_per_us / 1e3,
+        "programs": t.shape[0],
+        "items": int(taken.sum().item()) // 2,
+        "imbalance": {  # programs' ends against the kernel's last, and their starts against the first
+            "end_gap_us_mean": (ns_end - prog_end_ns).mean().item() / 1e3,
+            "end_gap_us_max": (ns_end - prog_end_ns).max().item() / 1e3,
+            "start_gap_us_max": (prog_start_ns - ns_start).max().item() / 1e3,
+            "busy_max_over_mean": (
+                (prog_end_ns - prog_start_ns).max() / (prog_end_ns - prog_start_ns).mean()
+            ).item(),
+        },
+        "share": {name: cycles / total for name, cycles in busy.items()},
+        "consumer_us": total / consumers / cycles_per_us,
+        "cycles": {
+            "full_tile": slope,
+            "full_phase_intercept": intercept,
+            "partial_tile": partial_cycles.sum().item() / max(n_partial.sum().item(), 1),
+            "partial_phase_item": partial_cycles.mean().item(),
+            "epilogue_item": phase["epilogue"][taken].double().mean().item(),
+            "between_items": between.double().mean().item() if between.numel() else 0.0,
+        },
+        "tiles_per_item": {"full": n_full.mean().item(), "partial": n_partial.mean().item()},
+        # How far apart the two consumers finish the same item.
+        "consumer_skew_cycles": (t[:, 0, :, END] - t[:, 1, :, END])[taken[:, 0]].abs().double().mean().item(),
+    }
+
+
+def timeline(save, paths) -> list[dict]:
+    """The ROWS' timelines for each Hopper path of `paths` that has the diagnostic (this tree's)."""
+    from reports.hopper_ab import hopper_path
+
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for n, queries, layout_name in ROWS:
+        layout = bk.phi3_layout() if layout_name == "phi3" else None
+        p = bk.Prefill(n, queries, layout, gen)
+        for path, package, on, settings in paths:
+            if not on or package != "kernels":
+                continue
+            with hopper_path(True, package, **settings) as prefill:
+                row = {"n": n, "queries": queries, "layout": layout_name, "path": path}
+                row.update(summarize(stamps(prefill, p, layout)[0]))
+            print(row, flush=True)
+            rows.append(row)
+            save(rows)
+    return rows
