@@ -145,6 +145,13 @@ def num_programs(grid, device: torch.device) -> int:
     return min(grid[0] * grid[1], num_sms(device))
 
 
+def timeline_shape(grid, device: torch.device) -> tuple:
+    """The TIMELINE buffer's shape for a grid of (query tiles, heads): (programs, consumers, rounds,
+    fields), a program taking at most `rounds` items."""
+    programs = num_programs(grid, device)
+    return (programs, 2, -(-grid[0] * grid[1] // programs), TIMELINE_FIELDS)
+
+
 def launch(
     grid, device: torch.device, planned: dict, descriptors: "CacheDescriptors", balanced: bool
 ) -> BoundLaunch:
@@ -155,7 +162,7 @@ def launch(
     num_tiles, num_heads = grid
     programs = num_programs(grid, device)
     if TIMELINE is not None:  # the kernel writes every stamp it may take: the buffer must hold them all
-        shape = (programs, 2, -(-num_tiles * num_heads // programs), TIMELINE_FIELDS)
+        shape = timeline_shape(grid, device)
         if TIMELINE.dtype != torch.int64 or tuple(TIMELINE.shape) != shape or TIMELINE.device != device:
             raise ValueError(f"hopper_prefill.TIMELINE: expected int64 {list(shape)} on {device}")
     return BoundLaunch(

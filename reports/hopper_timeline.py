@@ -33,12 +33,9 @@ def stamps(prefill, p, layout) -> tuple[torch.Tensor, torch.Tensor]:
     """One run of the Hopper path on problem p (a reports.bench_kernels.Prefill) with the timeline on:
     its stamps, int64 [programs, 2, rounds, TIMELINE_FIELDS] (items a program did not take are all
     zero), and its output."""
-    plan = prefill.plan_prefill(*p.args(), scale=bk.SCALE, layout=layout)
-    programs = hopper_prefill.num_programs(plan.grid, p.q.device)
-    rounds = -(-plan.grid[0] * plan.grid[1] // programs)
-    buffer = torch.zeros(
-        programs, 2, rounds, hopper_prefill.TIMELINE_FIELDS, dtype=torch.int64, device="cuda"
-    )
+    grid = prefill.plan_prefill(*p.args(), scale=bk.SCALE, layout=layout).grid
+    shape = hopper_prefill.timeline_shape(grid, p.q.device)
+    buffer = torch.zeros(shape, dtype=torch.int64, device=p.q.device)
     hopper_prefill.TIMELINE = buffer
     try:
         plan = prefill.plan_prefill(*p.args(), scale=bk.SCALE, layout=layout)
