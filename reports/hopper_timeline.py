@@ -29,16 +29,16 @@ ROWS = [
 NS_START, START, AFTER_FULL, AFTER_PARTIAL, END, NS_END, N_FULL, COUNT = range(hopper_prefill.TIMELINE_FIELDS)
 
 
-def stamps(prefill, p, layout) -> tuple[torch.Tensor, torch.Tensor]:
+def stamps(prefill, p) -> tuple[torch.Tensor, torch.Tensor]:
     """One run of the Hopper path on problem p (a reports.bench_kernels.Prefill) with the timeline on:
     its stamps, int64 [programs, 2, rounds, TIMELINE_FIELDS] (items a program did not take are all
     zero), and its output."""
-    grid = prefill.plan_prefill(*p.args(), scale=bk.SCALE, layout=layout).grid
+    grid = prefill.plan_prefill(*p.args(), scale=bk.SCALE, layout=p.layout).grid
     shape = hopper_prefill.timeline_shape(grid, p.q.device)
     buffer = torch.zeros(shape, dtype=torch.int64, device=p.q.device)
     hopper_prefill.TIMELINE = buffer
     try:
-        plan = prefill.plan_prefill(*p.args(), scale=bk.SCALE, layout=layout)
+        plan = prefill.plan_prefill(*p.args(), scale=bk.SCALE, layout=p.layout)
     finally:
         hopper_prefill.TIMELINE = None
     for _ in range(3):  # compiled and warm
@@ -123,7 +123,7 @@ def timeline(save, paths) -> list[dict]:
                 continue
             with hopper_path(True, package, **settings) as prefill:
                 row = {"n": n, "queries": queries, "layout": layout_name, "path": path}
-                row.update(summarize(stamps(prefill, p, layout)[0]))
+                row.update(summarize(stamps(prefill, p)[0]))
             print(row, flush=True)
             rows.append(row)
             save(rows)

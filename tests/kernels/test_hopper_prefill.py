@@ -118,7 +118,7 @@ def test_hopper_timeline(hopper_path):
     p = bk.Prefill(n, queries, bk.phi3_layout(), torch.Generator().manual_seed(0))
     plan = paged_prefill.plan_prefill(*p.args(), scale=bk.SCALE, layout=p.layout)
     expected = plan.run(p.q, p.k, p.v)
-    t, out = ht.stamps(paged_prefill, p, p.layout)
+    t, out = ht.stamps(paged_prefill, p)
     assert torch.equal(out, expected)
     taken = t[..., ht.NS_START] > 0
     assert (taken.sum(dim=(0, 2)) == plan.grid[0] * plan.grid[1]).all()
