@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import tile_lists
+
 # Globals read inside @triton.jit code must be tl.constexpr; the host reads them through `.value`.
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): scores scaled by scale * LOG2E make exp2 an exp
 LN2 = tl.constexpr(0.6931471805599453)  # ln(2): turns a base-2 log-sum-exp into a natural one
@@ -24,6 +26,7 @@ NEG_INF = tl.constexpr(float("-inf"))
 FINITE_MIN = tl.constexpr(-3.4028234663852886e38)
 # tl.dot needs at least 16 rows, 16 columns and a reduction of 16.
 MIN_DOT = 16
+TILE_MASK = tl.constexpr(tile_lists.TILE_MASK)  # a list entry's key tile
 
 
 def interpreted() -> bool:
@@ -323,7 +326,7 @@ def attend(
     # prefill: 0.633 ms against 0.668 loading it in its own iteration; reports/gpu/kernel-ab.md).
     i_next = tl.load(p_tiles, mask=count > 0, other=0)
     for i in range(0, count):
-        n = i_next * BLOCK_N
+        n = (i_next & TILE_MASK) * BLOCK_N  # a partial entry may carry its halves' modes above
         i_next = tl.load(p_tiles + i + 1, mask=i + 1 < count, other=0)
         # [BLOCK_N]
         o_n = n + tl.arange(0, BLOCK_N)

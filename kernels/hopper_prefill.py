@@ -18,8 +18,9 @@ warp-specialized parts on 128-row query tiles:
   softmax with the other's matrix products. A group takes its full tiles two slots at a time (one
   softmax update, one wait and one release a pair, `_attend_pairs`), with its Q in registers.
 The lists are built for 128-row tiles, so a key tile is full only when it is full for both halves;
-a partial one may be nothing or everything to one half (`_tile_mode`), which then skips it or takes
-it unmasked.
+a partial one may be nothing or everything to one half, or need no layout mask, which each partial
+entry says for each half (the lists' `halves` modes, kernels/tile_lists.py, fixed at planning): the
+group then skips it, takes it unmasked, or masks it by causality and the sequence end alone.
 Not on this path: float32 (scores in float64), head dims other than 64 and 128, pages of fewer than
 8 rows or of sizes that neither divide nor are multiples of `BLOCK_N`, and caches whose rows are not
 contiguous (a TMA descriptor needs `[num_pages * page_size, num_kv_heads * head_dim]` rows).
@@ -40,6 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from kernels import tile_lists
 from kernels._common import BoundLaunch, interpreted
 
 # On: 1.39-1.56x faster than the Triton kernel on the H200 at every row of reports/hopper_ab.py
@@ -55,16 +57,28 @@ DEVICE_DESCRIPTORS = True
 # Registers are set per warp group (setmaxnreg): the two consumers' and the producer's (one warp of a
 # group of 4) fill the register file at 168 a thread on average, one program an SM.
 MAX_REGISTERS, CONSUMER_REGISTERS, PRODUCER_REGISTERS = 168, 240, 24
-# Work items dealt round by round (each round's costliest item to its least-loaded program, `walk_order`)
-# instead of program p taking items p, p + num_programs, ...: off, since alone it was 3% faster at 32k
-# but 2-3% slower at 8k and at 32k with 8192 queries (reports/gpu/kernel-ab.md §17); an item's cost in
-# full key tiles: a partial tile counts as PARTIAL_COST, its set-up and epilogue as ITEM_COST.
-BALANCED_WALK = False
-PARTIAL_COST, ITEM_COST = 2.0, 4.0
+# Program p takes items p, p + num_programs, ... of the head-major walk, except in the last
+# BALANCED_ROUNDS rounds, which `walk_order` deals by cost (each round's costliest item to its
+# least-loaded program). Dealing every round moved which items run side by side and slowed the full
+# tiles (2-3% slower at 8k, reports/gpu/kernel-ab.md §17, §22); the last round alone keeps them and
+# evens the programs' ends. An item's cost in full key tiles: a partial tile counts as PARTIAL_COST,
+# its set-up and epilogue as ITEM_COST (the timeline's cycles at 8k, §22).
+BALANCED_WALK = True
+BALANCED_ROUNDS = 1
+PARTIAL_COST, ITEM_COST = 1.7, 2.8
+# A masked tile's weights times the slot's V as it is, the tile taken again with V checked and copied
+# only when that product is not finite (V is nearly always finite): its masked tiles cost 1200 cycles
+# less, and it was 0.5-3% faster than the landed kernel at the 8k rows in reports/gpu/kernel-ab.md §22's
+# last A/B. Off until its GPU tests pass: they ran before the masked copies were merged, and its rare
+# path now takes the scores again instead of keeping them live (ptxas spills 84/152 bytes, against
+# 200/284 as timed; the default path's 52/128).
+V_CHECK_AFTER = False
 # A diagnostic, None in production: an int64 tensor [programs, 2, rounds, TIMELINE_FIELDS] that each
-# consumer fills with clock stamps of its items' phases (reports/hopper_timeline.py).
+# consumer fills with clock stamps of its items' phases and of its first PARTIAL_STAMPS partial tiles
+# (reports/hopper_timeline.py).
 TIMELINE = None
-TIMELINE_FIELDS = 8
+PARTIAL_STAMPS = 4
+TIMELINE_FIELDS = 8 + 2 * PARTIAL_STAMPS
 FALLBACK_WARPS = 8  # the Triton kernel's warps on these 128-row tiles (a run with misaligned caches)
 HEAD_DIMS = (64, 128)
 MIN_PAGE_ROWS = 8  # the 128-byte swizzle's atom: a TMA copy into a slot starts on one
@@ -76,12 +90,16 @@ NOT_SPECIALIZED = [
 ]  # fmt: skip
 
 CONSUMER_THREADS = gl.constexpr(4 * 32)  # a consumer warp group
-SKIP, WHOLE, PART = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)  # a partial tile, for one group
+# What a partial entry says a group sees of its tile (tile_lists.HALF_*), above the key tile's bits.
+SKIP, WHOLE = gl.constexpr(tile_lists.HALF_SKIP), gl.constexpr(tile_lists.HALF_WHOLE)
+CAUSAL = gl.constexpr(tile_lists.HALF_CAUSAL)
+TILE_BITS, TILE_MASK = gl.constexpr(tile_lists.TILE_BITS), gl.constexpr(tile_lists.TILE_MASK)
 # The twins of kernels/_common.py's constants (a Gluon function reads only Gluon constexprs).
 FINITE_MIN = gl.constexpr(-3.4028234663852886e38)
 NEG_INF = gl.constexpr(float("-inf"))
 LN2 = gl.constexpr(0.6931471805599453)
 TIMELINE_FIELDS_C = gl.constexpr(TIMELINE_FIELDS)
+PARTIAL_STAMPS_C = gl.constexpr(PARTIAL_STAMPS)
 
 
 def on_hopper(device: torch.device) -> bool:
@@ -116,19 +134,25 @@ def aligned(*tensors: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
-def walk_order(counts: torch.Tensor, query_tiles: list, num_heads: int, programs: int) -> torch.Tensor:
+def walk_order(
+    counts: torch.Tensor, query_tiles: list, num_heads: int, programs: int, balanced_rounds: int
+) -> torch.Tensor:
     """int32 [num_items]: entry r * programs + p is the item (in `_work`'s head-major order) that
-    program p takes in its r-th round. `counts`: the lists' counts [2, tiles, 1 or num_heads] (CPU);
-    `query_tiles`: the (sequence, absolute query tile) of each query tile."""
+    program p takes in its r-th round: in the last `balanced_rounds` rounds (at least one) each round's
+    costliest item goes to its least-loaded program, before them item r * programs + p (up to which
+    program is called p). `counts`: the lists' counts [2, tiles, 1 or num_heads] (CPU); `query_tiles`:
+    the (sequence, absolute query tile) of each query tile."""
     tiles_abs = [t for _, t in query_tiles]
     full, partial = counts[0, tiles_abs].numpy(), counts[1, tiles_abs].numpy()  # [T, 1 or H]
     cost = np.broadcast_to(full + PARTIAL_COST * partial + ITEM_COST, (len(tiles_abs), num_heads))
     cost = cost[::-1].T.reshape(-1)  # item w: head w // T, query tile T - 1 - w % T
     num_items = cost.shape[0]
-    loads = np.zeros(programs)
     rounds = -(-num_items // programs)
     taken = np.full((rounds, programs), -1, dtype=np.int64)
-    for r in range(rounds):
+    fixed = max(rounds - max(balanced_rounds, 1), 0)  # whole rounds, taken in order
+    taken[:fixed] = np.arange(fixed * programs).reshape(fixed, programs)
+    loads = cost[: fixed * programs].reshape(fixed, programs).sum(0)
+    for r in range(fixed, rounds):
         items = np.arange(r * programs, min(num_items, (r + 1) * programs))
         items = items[np.argsort(-cost[items], kind="stable")]
         takers = np.argsort(loads, kind="stable")[: items.shape[0]]
@@ -181,6 +205,7 @@ def launch(
         BALANCED=balanced,
         timeline=planned["tiles"] if TIMELINE is None else TIMELINE,
         TIMELINE=TIMELINE is not None,
+        V_CHECK_AFTER=V_CHECK_AFTER,
         CONSUMER_REGISTERS=CONSUMER_REGISTERS,
         PRODUCER_REGISTERS=PRODUCER_REGISTERS,
         num_warps=4,  # the default partition: the first consumer
@@ -319,14 +344,13 @@ def _producer(
         seq_len = gl.load(seq_lens + i_b)
         kv_col = ((i_h // group) * HEAD_DIM).to(gl.int32)
         p_bt = block_tables + i_b * stride_bt
-        n = gl.load(_tile_ptr(p_full, p_partial, 0, n_full), mask=count > 0, other=0) * BLOCK_N
+        n = (gl.load(_tile_ptr(p_full, p_partial, 0, n_full), mask=count > 0, other=0) & TILE_MASK) * BLOCK_N
         rows = _page_rows(n, p_bt, seq_len, page_size, cache_rows, count > 0, o_box, PAGE_ROWS)
         for t in range(count):
             # The next tile's page rows, looked up before waiting for this tile's slot.
             t_next = t + 1
-            n_next = (
-                gl.load(_tile_ptr(p_full, p_partial, t_next, n_full), mask=t_next < count, other=0) * BLOCK_N
-            )
+            entry = gl.load(_tile_ptr(p_full, p_partial, t_next, n_full), mask=t_next < count, other=0)
+            n_next = (entry & TILE_MASK) * BLOCK_N
             rows_next = _page_rows(
                 n_next, p_bt, seq_len, page_size, cache_rows, t_next < count, o_box, PAGE_ROWS
             )
@@ -348,12 +372,13 @@ def _producer(
 @gluon.jit
 def _attend_tile(
     b_m, b_l, b_seen, b_acc, k, n, q_op, k_smem, v_smem, v_own, ready, empty, o_m, m_m, p_mask_row,
-    seq_len, sparse_block, qk_scale,
+    layout_on, seq_len, sparse_block, qk_scale,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, LAYOUT_MASK: gl.constexpr, PARTIAL: gl.constexpr,
+    V_CHECK_AFTER: gl.constexpr = False,
 ):  # fmt: skip
     """The k-th key tile of the ring (starting at key n) into the online softmax state, as
-    `attend` (kernels/_common.py); then its slot is released."""
-    ROWS: gl.constexpr = q_op.type.shape[0]
+    `attend` (kernels/_common.py); then its slot is released. A PARTIAL tile reads the layout's mask
+    (LAYOUT_MASK) only when layout_on: else causality and the sequence end alone mask it."""
     HEAD_DIM: gl.constexpr = q_op.type.shape[1]
     NUM_WARPS: gl.constexpr = gl.num_warps()
     dtype: gl.constexpr = q_op.dtype
@@ -368,12 +393,13 @@ def _attend_tile(
         o_n = n + gl.arange(0, BLOCK_N, layout=col_s)
         m_row = m_m
         if LAYOUT_MASK == 1:  # MASK_ROWS
-            m_row = m_row & (gl.load(p_mask_row + n // sparse_block, mask=m_m, other=0) != 0)
+            m_row = m_row & (gl.load(p_mask_row + n // sparse_block, mask=m_m & layout_on, other=1) != 0)
         # [ROWS]: the last key each row may see, by causality, the sequence end and its row's mask
         b_last = gl.where(m_row, gl.minimum(o_m, seq_len - 1), -1)
         m_s = o_n[None, :] <= b_last[:, None]
         if LAYOUT_MASK == 0:  # MASK_ELEMENTS
-            m_s = m_s & (gl.load(p_mask_row[:, None] + o_n[None, :] // sparse_block, mask=m_s, other=0) != 0)
+            p_mask = p_mask_row[:, None] + o_n[None, :] // sparse_block
+            m_s = m_s & (gl.load(p_mask, mask=m_s & layout_on, other=1) != 0)
             b_seen = gl.maximum(b_seen, gl.max(m_s.to(gl.int32), 1))
         else:
             b_seen = gl.maximum(b_seen, (b_last >= n).to(gl.int32))
@@ -381,25 +407,25 @@ def _attend_tile(
         b_seen = gl.full(b_seen.shape, 1, gl.int32, b_seen.type.layout)
     slot = k % STAGES
     mbarrier.wait(ready.index(slot), (k // STAGES) & 1)
-    b_s = warpgroup_mma(
-        q_op, k_smem.index(slot).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
-        use_acc=False, is_async=True,
-    )  # fmt: skip
-    b_s = warpgroup_mma_wait(num_outstanding=0, deps=(b_s,))
-    b_s = b_s + b_s * 0.0  # the NaN rule: an infinite score is seen as NaN
+    b_s = _scores(q_op, k_smem.index(slot), s_layout)
     v_buf = v_smem.index(slot)
-    if PARTIAL:
-        # Keys whose V holds NaN or Inf (past the sequence end too: the rest of its last page may hold
-        # anything) are seen as a NaN score instead, and zeroed in this consumer's own copy of V: a
-        # masked weight of 0 times a non-finite V would make NaN. The slot is shared with the other
-        # consumer, so it is only read.
-        b_v = v_buf.load(io_layout)
-        m_v_bad = gl.max(((b_v != b_v) | (gl.abs(b_v) == float("inf"))).to(gl.int32), 1) > 0
-        v_own.store(gl.where(m_v_bad[:, None], gl.zeros_like(b_v), b_v))
-        fence_async_shared()
-        gl.thread_barrier()
-        b_s = gl.where(gl.convert_layout(m_v_bad, col_s)[None, :], float("nan"), b_s)
+    if PARTIAL and V_CHECK_AFTER:
+        # The slot's V as it is first: a NaN or Inf in V makes its whole column of the product
+        # non-finite (a weight of 0 times NaN is NaN), so a finite product proves the tile's V finite.
+        # Else (rare: non-finite V, or a row that sees a non-finite score) the tile is taken again
+        # with V checked, as below.
         b_s = gl.where(m_s, b_s, NEG_INF)
+        b_m_new, b_alpha, b_psum, b_pv = _weigh(b_s, m_s, b_m, qk_scale, v_buf, o_layout)
+        if gl.max((gl.sum(b_pv * 0.0, 1) != 0.0).to(gl.int32), 0) != 0:
+            # The scores again (K is still in the slot): kept live across the product, they spilled.
+            b_s = _v_checked(_scores(q_op, k_smem.index(slot), s_layout), m_s, v_buf, v_own, io_layout)
+            b_m_new, b_alpha, b_psum, b_pv = _weigh(b_s, m_s, b_m, qk_scale, v_own, o_layout)
+        b_l = b_l * b_alpha + b_psum
+        b_acc = b_acc * gl.convert_layout(b_alpha, row_o)[:, None] + b_pv
+        async_copy.mbarrier_arrive(empty.index(slot), increment_count=False)
+        return b_m_new, b_l, b_seen, b_acc
+    if PARTIAL:
+        b_s = _v_checked(b_s, m_s, v_buf, v_own, io_layout)
     b_m_new = gl.maximum(b_m, gl.max(b_s, 1))
     b_alpha = gl.exp2((b_m - b_m_new) * qk_scale)
     b_p = gl.exp2(b_s * qk_scale - (b_m_new * qk_scale)[:, None])  # one FMA an element
@@ -419,6 +445,54 @@ def _attend_tile(
     # arrival (the cp.async one, with no copy outstanding) is each thread's own.
     async_copy.mbarrier_arrive(empty.index(slot), increment_count=False)
     return b_m_new, b_l, b_seen, b_acc
+
+
+@gluon.jit
+def _scores(q_op, k_tile, s_layout: gl.constexpr):
+    """[ROWS, BLOCK_N] in s_layout: q_op [ROWS, HEAD_DIM] times the tile's K [BLOCK_N, HEAD_DIM]
+    (shared memory) transposed, with the NaN rule: an infinite score is seen as NaN."""
+    ROWS: gl.constexpr = q_op.type.shape[0]
+    BLOCK_N: gl.constexpr = k_tile.type.shape[0]
+    b_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    b_s = warpgroup_mma(q_op, k_tile.permute((1, 0)), b_zero, use_acc=False, is_async=True)
+    b_s = warpgroup_mma_wait(num_outstanding=0, deps=(b_s,))
+    return b_s + b_s * 0.0
+
+
+@gluon.jit
+def _v_checked(b_s, m_s, v_buf, v_own, io_layout: gl.constexpr):
+    """A masked tile's scores b_s [ROWS, BLOCK_N] with its V checked: keys whose V [BLOCK_N, HEAD_DIM]
+    (the shared slot v_buf) holds NaN or Inf (past the sequence end too: the rest of its last page may
+    hold anything) get a NaN score instead, and zeros in the group's own copy v_own, since a masked
+    weight of 0 times a non-finite V would make NaN; masked scores (m_s False) are -inf. The slot is
+    shared with the other group, so it is only read."""
+    col_s: gl.constexpr = gl.SliceLayout(0, b_s.type.layout)
+    b_v = v_buf.load(io_layout)
+    m_v_bad = gl.max(((b_v != b_v) | (gl.abs(b_v) == float("inf"))).to(gl.int32), 1) > 0
+    v_own.store(gl.where(m_v_bad[:, None], gl.zeros_like(b_v), b_v))
+    fence_async_shared()
+    gl.thread_barrier()
+    b_s = gl.where(gl.convert_layout(m_v_bad, col_s)[None, :], float("nan"), b_s)
+    return gl.where(m_s, b_s, NEG_INF)
+
+
+@gluon.jit
+def _weigh(b_s, m_s, b_m, qk_scale, v, o_layout: gl.constexpr):
+    """A masked tile's softmax update from its scores b_s [ROWS, BLOCK_N] (masked ones -inf): the new
+    row maxima and rescale factors, the weights' row sums and their product with v [BLOCK_N,
+    HEAD_DIM] (shared memory), [ROWS, HEAD_DIM] in o_layout."""
+    ROWS: gl.constexpr = b_s.type.shape[0]
+    HEAD_DIM: gl.constexpr = v.type.shape[1]
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    b_m_new = gl.maximum(b_m, gl.max(b_s, 1))
+    b_alpha = gl.exp2((b_m - b_m_new) * qk_scale)
+    # (-inf) * 0 is NaN when scale == 0: masked weights are set, not computed.
+    b_p = gl.where(m_s, gl.exp2(b_s * qk_scale - (b_m_new * qk_scale)[:, None]), 0.0)
+    b_x = gl.convert_layout(b_p.to(v.dtype), p_layout)
+    b_zero = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+    b_pv = warpgroup_mma(b_x, v, b_zero, use_acc=False, is_async=True)
+    b_pv, _ = warpgroup_mma_wait(num_outstanding=0, deps=(b_pv, b_x))
+    return b_m_new, b_alpha, gl.sum(b_p, 1), b_pv
 
 
 @gluon.jit
@@ -466,31 +540,6 @@ def _attend_pairs(
 
 
 @gluon.jit
-def _tile_mode(
-    n,
-    first_row,
-    seq_len,
-    p_block_row,
-    sparse_block,
-    ROWS: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    LAYOUT_MASK: gl.constexpr,
-):
-    """What one group's ROWS rows from first_row see of the partial tile at key n: nothing (SKIP: every
-    key after every row, or a layout block none of them sees), all of it (WHOLE), or PART. Exact
-    without per-row detail only when the rows lie in one layout block and the tile in one."""
-    after = n > first_row + ROWS - 1
-    if LAYOUT_MASK == 3:  # MASK_NONE: the layout allows every listed element
-        uniform = n >= 0
-        visible = uniform
-    else:
-        uniform = (LAYOUT_MASK == 1) & (sparse_block % ROWS == 0)  # MASK_ROWS
-        visible = gl.load(p_block_row + n // sparse_block, mask=uniform, other=1) != 0
-    whole = (n + BLOCK_N - 1 <= first_row) & (n + BLOCK_N <= seq_len) & visible & uniform
-    return gl.where(after | (uniform & ~visible), SKIP, gl.where(whole, WHOLE, PART))
-
-
-@gluon.jit
 def _item(w, num_tiles, tiles, tile_lists, stride_list_kind, stride_list_tile, stride_list_head, seq_lens,
           query_start_loc, walk, BALANCED: gl.constexpr):  # fmt: skip
     """Work item w's scalars, its loads issued together (an item's are loaded during the one before):
@@ -522,13 +571,14 @@ def _consumer(
     seq_lens, query_start_loc, tiles, tile_lists, block_mask, stride_list_kind, stride_list_tile,
     stride_list_head, stride_mask_head, num_blocks, sparse_block, num_tiles, num_heads, walk, timeline,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, LAYOUT_MASK: gl.constexpr, CONSUMER: gl.constexpr,
-    BALANCED: gl.constexpr, TIMELINE: gl.constexpr,
+    BALANCED: gl.constexpr, TIMELINE: gl.constexpr, V_CHECK_AFTER: gl.constexpr,
 ):  # fmt: skip
     """Rows CONSUMER * ROWS .. + ROWS - 1 of each of the program's query tiles: the walk over the
-    shared ring (the full tiles unmasked, then the partial ones as `_tile_mode` says), then the
-    outputs. With TIMELINE, an item's stamps: its start on both clocks, the cycle counter after its
+    shared ring (the full tiles unmasked, then the partial ones as their entries' modes say), then
+    the outputs. With TIMELINE, an item's stamps: its start on both clocks, the cycle counter after its
     full tiles, after its partial tiles and once its stores are issued, the nanosecond timer then,
-    and its lists' lengths."""
+    its lists' lengths, then the cycle counter after each of its first PARTIAL_STAMPS partial tiles
+    and those tiles' modes."""
     ROWS: gl.constexpr = q_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
     NUM_WARPS: gl.constexpr = gl.num_warps()
@@ -588,25 +638,21 @@ def _consumer(
         for t in range(2 * num_pairs, n_full):
             b_m, b_l, b_seen, b_acc = _attend_tile(
                 b_m, b_l, b_seen, b_acc, k + t, gl.load(p_full + 1 + t) * BLOCK_N, q_op, k_smem, v_smem,
-                v_own, ready, empty, o_m, m_m, p_mask_row, seq_len, sparse_block, qk_scale, BLOCK_N, STAGES,
-                LAYOUT_MASK, False,
+                v_own, ready, empty, o_m, m_m, p_mask_row, False, seq_len, sparse_block, qk_scale, BLOCK_N,
+                STAGES, LAYOUT_MASK, False,
             )  # fmt: skip
         k += n_full
         if TIMELINE:
             _stamp(p_stamp + 2, k)
         # A tile partial for the 128-row query tile is often none of this group's business, or whole
-        # for it (the local window's edge blocks, the diagonal's halves): those take no masks. Their
-        # scores read Q from shared memory: the registers go to the masks and V's copy.
-        first_row = i_qt * (2 * ROWS) + CONSUMER * ROWS
-        p_block_row = (
-            block_mask
-            + i_h * stride_mask_head
-            + gl.minimum(first_row // sparse_block, num_blocks - 1) * num_blocks
-        )
+        # for it (the local window's edge blocks, the diagonal's halves), or masked by causality alone
+        # (the diagonal): those read no layout mask. Their scores read Q from shared memory: the
+        # registers go to the masks and V's copy.
         n_partial = count - n_full
         for t in range(n_partial):
-            n = gl.load(p_partial + 1 + t) * BLOCK_N
-            mode = _tile_mode(n, first_row, seq_len, p_block_row, sparse_block, ROWS, BLOCK_N, LAYOUT_MASK)
+            entry = gl.load(p_partial + 1 + t)
+            n = (entry & TILE_MASK) * BLOCK_N
+            mode = (entry >> (TILE_BITS + 2 * CONSUMER)) & 3
             if mode == SKIP:
                 slot = (k + t) % STAGES
                 mbarrier.wait(ready.index(slot), ((k + t) // STAGES) & 1)  # the copy lands before reuse
@@ -614,13 +660,19 @@ def _consumer(
             elif mode == WHOLE:
                 b_m, b_l, b_seen, b_acc = _attend_tile(
                     b_m, b_l, b_seen, b_acc, k + t, n, q_buf, k_smem, v_smem, v_own, ready, empty, o_m,
-                    m_m, p_mask_row, seq_len, sparse_block, qk_scale, BLOCK_N, STAGES, LAYOUT_MASK, False,
+                    m_m, p_mask_row, False, seq_len, sparse_block, qk_scale, BLOCK_N, STAGES, LAYOUT_MASK,
+                    False,
                 )  # fmt: skip
-            else:
+            else:  # one copy for both masked modes: with two, 8k with 832 queries ran 2-3% slower (§22)
                 b_m, b_l, b_seen, b_acc = _attend_tile(
                     b_m, b_l, b_seen, b_acc, k + t, n, q_buf, k_smem, v_smem, v_own, ready, empty, o_m,
-                    m_m, p_mask_row, seq_len, sparse_block, qk_scale, BLOCK_N, STAGES, LAYOUT_MASK, True,
+                    m_m, p_mask_row, mode != CAUSAL, seq_len, sparse_block, qk_scale, BLOCK_N, STAGES,
+                    LAYOUT_MASK, True, V_CHECK_AFTER,
                 )  # fmt: skip
+            if TIMELINE:  # noqa: SIM102 (a compile-time if around a runtime one)
+                if t < PARTIAL_STAMPS_C:
+                    _stamp(p_stamp + 8 + t, k + t)
+                    gl.store(p_stamp + 8 + PARTIAL_STAMPS_C + t, mode.to(gl.int64))
         k += n_partial
         if TIMELINE:
             _stamp(p_stamp + 3, k)
@@ -699,6 +751,7 @@ def hopper_prefill_kernel(
     DEVICE_DESCRIPTORS: gl.constexpr,
     BALANCED: gl.constexpr,
     TIMELINE: gl.constexpr,
+    V_CHECK_AFTER: gl.constexpr,
     CONSUMER_REGISTERS: gl.constexpr,
     PRODUCER_REGISTERS: gl.constexpr,
 ):
@@ -728,6 +781,7 @@ def hopper_prefill_kernel(
                     qk_scale, seq_lens, query_start_loc, tiles, tile_lists, block_mask, stride_list_kind,
                     stride_list_tile, stride_list_head, stride_mask_head, num_blocks, sparse_block,
                     num_tiles, num_heads, walk, timeline, BLOCK_N, STAGES, LAYOUT_MASK, 0, BALANCED, TIMELINE,
+                    V_CHECK_AFTER,
                 ),
             ),
             (
@@ -737,6 +791,7 @@ def hopper_prefill_kernel(
                     qk_scale, seq_lens, query_start_loc, tiles, tile_lists, block_mask, stride_list_kind,
                     stride_list_tile, stride_list_head, stride_mask_head, num_blocks, sparse_block,
                     num_tiles, num_heads, walk, timeline, BLOCK_N, STAGES, LAYOUT_MASK, 1, BALANCED, TIMELINE,
+                    V_CHECK_AFTER,
                 ),
             ),
             (

@@ -218,7 +218,7 @@ class PrefillPlan:
         if not tiles:
             return
         lists = tile_lists.tile_lists(
-            layout, batch.num_heads, max(batch.seq_lens), block_m, block_n, 1, device
+            layout, batch.num_heads, max(batch.seq_lens), block_m, block_n, 1, device, halves=hopper
         )
         # [num_tiles, 2]: (sequence, absolute query tile) of each program, then the Hopper path's walk
         # order when it balances its programs: one host-to-device copy.
@@ -226,8 +226,9 @@ class PrefillPlan:
         balanced = hopper and hopper_prefill.BALANCED_WALK
         if balanced:
             programs = hopper_prefill.num_programs(self.grid, device)
+            rounds = hopper_prefill.BALANCED_ROUNDS
             host = torch.cat(
-                [host, hopper_prefill.walk_order(lists.counts, tiles, batch.num_heads, programs)]
+                [host, hopper_prefill.walk_order(lists.counts, tiles, batch.num_heads, programs, rounds)]
             )
         if device.type == "cuda":
             host = host.pin_memory()

@@ -12,6 +12,10 @@ key tiles of `block_n` positions, each (query tile, head) gets two ascending lis
 The lists depend on the layout, the heads and the tile sizes, never on the batch (positions are
 absolute), so they are built once on the device and kept with the layout; a later, shorter call reads
 a prefix of the grid. A key tile holding no allowed key is in neither list.
+Lists built for two halves (`halves`: the Hopper prefill's two consumer groups, each taking half of a
+query tile's rows) also say, in each partial entry's bits above TILE_BITS, what each half sees of that
+tile: nothing (HALF_SKIP), all of it (HALF_WHOLE), what causality and the sequence end leave of it
+(HALF_CAUSAL: the layout allows every block pair), or a layout-masked part (HALF_MASKED).
 """
 
 import weakref
@@ -32,6 +36,10 @@ MASK_BITS = 2  # per row from the entry's bit of each head of the group (decode,
 MASK_NONE = 3  # the layout allows every element of a listed tile (query and key tile in one block each)
 # The most heads one list's bits can tell apart (int32 entries).
 MAX_BITS = 32
+# A partial entry of lists with halves: its key tile in the low TILE_BITS bits, then 2 bits a half.
+TILE_BITS = 24
+TILE_MASK = (1 << TILE_BITS) - 1
+HALF_SKIP, HALF_WHOLE, HALF_CAUSAL, HALF_MASKED = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -39,8 +47,10 @@ class TileLists:
     """Tile lists of one layout, head count and tiling, on one device.
 
     lists: int32 [2, num_tiles, list_heads, 1 + width]: [0] full, [1] partial; entry 0 of a row is
-        its count, entries 1 .. count its key tiles, ascending. list_heads is 1 when every head (or
-        every KV head's group, for decode) has the same lists (head stride 0 in the kernels).
+        its count, entries 1 .. count its key tiles, ascending (with halves, a partial entry's key
+        tile is entry & TILE_MASK and half h's HALF_* mode (entry >> TILE_BITS + 2 * h) & 3).
+        list_heads is 1 when every head (or every KV head's group, for decode) has the same lists
+        (head stride 0 in the kernels).
     bits: int32 shaped like lists[1] (MASK_BITS), bit g of a partial entry set when head g of the
         list's group sees its tile; else None.
     mask: uint8 [1 or num_heads, num_blocks, num_blocks], the block mask the partial tiles read.
@@ -97,15 +107,39 @@ def _compact(active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts, out.scatter_(-1, slot, index)[..., :-1].to(torch.int32)
 
 
-def build(mask: torch.Tensor, block_size: int, rows: int, block_n: int, group: int) -> TileLists:
+def _half_modes(heads, size, rows, block_n, num_tiles, k_first, kb_lo, kb_hi, num_blocks, half):
+    """int32 [lists, num_tiles, num_keys]: the HALF_* mode of each key tile for half `half` of each
+    query tile (its rows // 2 positions from t * rows + half * rows // 2), from the mask's int32
+    heads [lists, NB, NB] (one head a list)."""
+    last_block = max(num_blocks - 1, 0)
+    h_first = torch.arange(num_tiles, device=heads.device) * rows + half * (rows // 2)
+    hb_lo = torch.clamp(h_first // size, max=last_block)
+    hb_hi = torch.clamp((h_first + rows // 2 - 1) // size, max=last_block)
+    area = ((hb_hi - hb_lo + 1).view(-1, 1) * (kb_hi - kb_lo + 1).view(1, -1)).to(torch.int32)
+    allowed = _block_counts(_block_counts(heads, hb_lo, hb_hi, 1), kb_lo, kb_hi, 2)
+    after = k_first.view(1, -1) > (h_first + rows // 2 - 1).view(-1, 1)
+    below = (k_first + block_n - 1).view(1, -1) <= h_first.view(-1, 1)
+    every = allowed == area
+    mode = torch.where(every, torch.where(below, HALF_WHOLE, HALF_CAUSAL), HALF_MASKED)
+    return torch.where(after | (allowed == 0), HALF_SKIP, mode).to(torch.int32)
+
+
+def build(
+    mask: torch.Tensor, block_size: int, rows: int, block_n: int, group: int, halves: bool = False
+) -> TileLists:
     """The tile lists of `mask` (bool [1 or num_heads, NB, NB], causal, on the device).
 
     `group` > 1 builds one list per group of `group` consecutive heads (decode: the query heads of a
-    KV head), a key tile being full only when it is full for every head of the group.
+    KV head), a key tile being full only when it is full for every head of the group. `halves`
+    (group 1, even rows) adds each half's mode to the partial entries.
     """
+    if halves and (group != 1 or rows % 2):
+        raise ValueError(f"halves: expected group 1 and even rows, got group {group}, rows {rows}")
     num_blocks, device = mask.shape[1], mask.device
     num_tiles = -(-num_blocks * block_size // rows)
     num_keys = -(-num_blocks * block_size // block_n)
+    if halves and num_keys > TILE_MASK + 1:
+        raise ValueError(f"halves: at most {TILE_MASK + 1} key tiles fit an entry, got {num_keys}")
     shared = mask.shape[0] == 1
     depth = 1 if shared else group  # mask heads per list
     mode = mask_mode(block_size, rows, block_n, group, shared)
@@ -129,6 +163,12 @@ def build(mask: torch.Tensor, block_size: int, rows: int, block_n: int, group: i
         n = torch.stack([n_full, n_part])
         width = max(int(n.max()) if n.numel() else 0, 1)  # a host sync per chunk, at build time only
         parts = [i_full[..., :width], i_part[..., :width]]
+        if halves:
+            keys = parts[1].long()
+            for half in range(2):
+                modes = _half_modes(heads, block_size, rows, block_n, num_tiles, k_first, kb_lo, kb_hi,
+                                    num_blocks, half)  # fmt: skip
+                parts[1] = parts[1] | torch.gather(modes, -1, keys) << TILE_BITS + 2 * half
         if mode == MASK_BITS:
             seen = ((each > 0).to(torch.int64) << shifts).sum(1).to(torch.int32)
             parts.append(torch.gather(seen, -1, i_part[..., :width].long()))
@@ -154,20 +194,20 @@ _DENSE: dict = {}
 
 
 def tile_lists(
-    layout, num_heads: int, max_len: int, rows: int, block_n: int, group: int, device
+    layout, num_heads: int, max_len: int, rows: int, block_n: int, group: int, device, halves: bool = False
 ) -> TileLists:
     """The kept tile lists of `layout` (None: dense causal) covering positions 0 .. max_len - 1.
 
     `rows`: query positions per tile (a prefill's BLOCK_M; decode passes the layout's block size);
-    `group`: heads per list (1 for prefill, the GQA group for decode). The layout is validated
-    (reference.layouts.kept_block_mask) before this is called.
+    `group`: heads per list (1 for prefill, the GQA group for decode); `halves`: see `build`. The
+    layout is validated (reference.layouts.kept_block_mask) before this is called.
     """
     if layout is None:
         # Any block size says dense causal; one that holds whole query and key tiles needs no mask.
         size, kept = max(rows, block_n), _DENSE
     else:
         size, kept = layout.block_size, kept_with(_KEPT, layout)
-    key = (torch.device(device), num_heads, rows, block_n, group)
+    key = (torch.device(device), num_heads, rows, block_n, group, halves)
     lists = kept.get(key)
     needed = -(-max_len // size)
     if lists is None or lists.mask.shape[1] < needed:
@@ -176,6 +216,6 @@ def tile_lists(
             mask = causal_block_mask(blocks)[None]
         else:
             mask = kept_block_mask(layout, num_heads, needed)
-        lists = build(mask.to(device), size, rows, block_n, group)
+        lists = build(mask.to(device), size, rows, block_n, group, halves)
         kept[key] = lists
     return lists

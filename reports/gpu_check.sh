@@ -21,7 +21,7 @@
 #                                             deliberately broken (keyed without pointer alignment):
 #                                             its test must fail
 #   bash reports/gpu_check.sh OUT_DIR hopper   the Hopper path's tests (tests/kernels/test_hopper_prefill.py),
-#                                             once more with each of six parts broken (each must
+#                                             once more with each of nine parts broken (each must
 #                                             fail), its same-process A/B against the Triton kernel
 #                                             (reports/hopper_ab.py; HOPPER_AB_ARGS="--variants
 #                                             --previous .ab" adds its variants and the previous
@@ -91,15 +91,17 @@ case $part in
     # Broken on purpose, one capability each (name, sed edit, what the edit leaves, the tests that
     # must fail):
     # - v-copy: the consumers' copy of V keeps its non-finite rows (the non-finite V cases);
-    # - mode: a group sees every layout block of its partial tiles, and takes the ones it does not
-    #   see whole (the layout cases);
+    # - mode: each group takes its partial tiles as the other group's modes say (the layout cases);
+    # - causal: the partial tiles a group sees part of are taken unmasked (the Phi-3 and dense cases);
+    # - layout: the tiles the layout masks are masked by causality alone (the per-element case);
     # - descriptor: the programs' TMA descriptors end a page short of the caches (every case whose
     #   block table reaches the caches' last page);
     # - pairs: a pair of full tiles takes its first slot's V for both halves (the cases with pairs);
     # - epilogue: the finalize step no longer finds NaN or Inf in a row's accumulator (the non-finite
     #   V cases whose row sees the key in a full tile);
-    # - walk: every program of a round takes the round's costliest item, the others none (the
-    #   balanced walk's case).
+    # - walk: every program of a dealt round takes the round's costliest item, the others none (the
+    #   balanced walk's cases);
+    # - check-after: V_CHECK_AFTER never finds its product non-finite (its non-finite V cases).
     names=()
     while IFS='|' read -r name edit left tests; do
       names+=("$name")
@@ -110,11 +112,14 @@ case $part in
       (cd "$broken" && step 240 "broken-$name" python3 -m pytest tests/kernels/test_hopper_prefill.py -k "$tests" -q -p no:cacheprovider -n 2) < /dev/null &
     done <<'BREAKS'
 v-copy|s/v_own.store(gl.where(m_v_bad\[:, None\], gl.zeros_like(b_v), b_v))/v_own.store(b_v)/|v_own.store(b_v)|v_cache
-mode|s/mask=uniform, other=1) != 0/mask=uniform, other=1) >= 0/|mask=uniform, other=1) >= 0|phi3 or rows or none
+mode|s/(TILE_BITS + 2 \* CONSUMER)/(TILE_BITS + 2 * (1 - CONSUMER))/|(TILE_BITS + 2 * (1 - CONSUMER))|phi3 or rows or none
+causal|s/elif mode == WHOLE:/elif mode != SKIP:/|elif mode != SKIP:|phi3 or dense
+layout|s/mode != CAUSAL, seq_len/mode == CAUSAL, seq_len/|mode == CAUSAL, seq_len|elements
 descriptor|s/shape = \[cache_rows, width\]/shape = [cache_rows - page_size, width]/|shape = [cache_rows - page_size, width]|not v_cache and not k_cache
 pairs|s/warpgroup_mma(b_x1, v_smem.index(slot1)/warpgroup_mma(b_x1, v_smem.index(slot0)/|warpgroup_mma(b_x1, v_smem.index(slot0)|phi3-ctx0 or dense-P256 or rows
 epilogue|s/gl.sum(b_acc \* 0.0, 1) != 0.0/gl.sum(b_acc * 0.0, 1) > 0.0/|gl.sum(b_acc * 0.0, 1) > 0.0|v_cache
 walk|s/taken\[r, takers\] = items/taken[r, takers] = items[0]/|taken[r, takers] = items[0]|balanced
+check-after|s/gl.sum(b_pv \* 0.0, 1) != 0.0/gl.sum(b_pv * 0.0, 1) > 0.0/|gl.sum(b_pv * 0.0, 1) > 0.0|v_check_after
 BREAKS
     wait
     tail -n 3 "$out/tests.log" >> "$out/summary.txt"

@@ -52,10 +52,12 @@ PATHS = [
     ("hopper", "kernels", True, {}),
     ("triton", "kernels", False, {}),
 ]
-# --variants: the kernel with the balanced walk (off by default), and with host-made TMA descriptors
-# (the previous launch)
+# --variants: the kernel walking head-major in every round, with every round dealt by cost (the walk is
+# dealt in its last round by default), and with host-made TMA descriptors (the previous launch)
 VARIANTS = [
-    ("balanced", "kernels", True, {"BALANCED_WALK": True}),
+    ("head_major", "kernels", True, {"BALANCED_WALK": False}),
+    ("balanced_all", "kernels", True, {"BALANCED_ROUNDS": 10**6}),
+    ("v_check_after", "kernels", True, {"V_CHECK_AFTER": True}),
     ("host_descriptors", "kernels", True, {"DEVICE_DESCRIPTORS": False}),
 ]
 HOST_DESCRIPTORS = VARIANTS[-1]

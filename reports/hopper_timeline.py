@@ -3,9 +3,11 @@
 
 Each consumer stamps each (query tile, head) item it takes with the SM's cycle counter at its start,
 after its full key tiles, after its partial ones and after its output stores, and with the device's
-nanosecond timer at its start and end. `summarize` turns that into: the programs' imbalance (how long
-each one's last item ends before the kernel's last), the share of a consumer's time in each phase,
-the cycles a full and a partial key tile cost, and the cycles an item spends outside its key tiles.
+nanosecond timer at its start and end; and after each of its first partial tiles, with that tile's
+mode. `summarize` turns that into: the programs' imbalance (how long each one's last item ends before
+the kernel's last), the share of a consumer's time in each phase, the cycles a full and a partial
+key tile cost (a partial one by mode: skipped, taken whole, masked by causality alone, masked by the
+layout too), and the cycles an item spends outside its key tiles.
 Run through `python3 -m reports.hopper_ab --only timeline` (hopper-ab.json's `timeline` part).
 """
 
@@ -26,7 +28,9 @@ ROWS = [
     (8192, 8192, "dense"),
 ]
 # The stamps' fields (TIMELINE_FIELDS of them an item).
-NS_START, START, AFTER_FULL, AFTER_PARTIAL, END, NS_END, N_FULL, COUNT = range(hopper_prefill.TIMELINE_FIELDS)
+NS_START, START, AFTER_FULL, AFTER_PARTIAL, END, NS_END, N_FULL, COUNT = range(8)
+PARTIAL_END, PARTIAL_MODE = 8, 8 + hopper_prefill.PARTIAL_STAMPS  # then a field a stamped partial tile
+MODES = ("skip", "whole", "causal", "masked")  # kernels/tile_lists.py's HALF_* modes, in order
 
 
 def stamps(prefill, p) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,6 +80,19 @@ def summarize(t: torch.Tensor) -> dict:
     # Least squares of the full phase on its tile count (slope: a full tile; intercept: the item's start).
     a = torch.stack([n_full, torch.ones_like(n_full)], 1)
     slope, intercept = torch.linalg.lstsq(a, full_cycles[:, None]).solution[:, 0].tolist()
+    # Each stamped partial tile's cycles (from the previous stamp) and mode.
+    stamped = hopper_prefill.PARTIAL_STAMPS
+    ends = t[..., PARTIAL_END : PARTIAL_END + stamped]
+    tile_cycles = (ends - torch.cat([t[..., AFTER_FULL, None], ends[..., :-1]], -1)).double()
+    modes = t[..., PARTIAL_MODE : PARTIAL_MODE + stamped]
+    listed = taken[..., None] & (torch.arange(stamped) < (t[..., COUNT] - t[..., N_FULL])[..., None])
+    by_mode = {}
+    for mode, name in enumerate(MODES):
+        chosen = listed & (modes == mode)
+        by_mode[name] = {
+            "tiles_per_item": chosen.sum().item() / max(taken.sum().item(), 1),
+            "cycles": tile_cycles[chosen].mean().item() if chosen.any() else 0.0,
+        }
     busy = {name: cycles[taken].double().sum().item() for name, cycles in phase.items()}
     busy["between"] = between.double().sum().item()
     total = sum(busy.values())
@@ -104,6 +121,7 @@ def summarize(t: torch.Tensor) -> dict:
             "between_items": between.double().mean().item() if between.numel() else 0.0,
         },
         "tiles_per_item": {"full": n_full.mean().item(), "partial": n_partial.mean().item()},
+        "partial_modes": by_mode,  # of the first PARTIAL_STAMPS partial tiles of each item
         # How far apart the two consumers finish the same item.
         "consumer_skew_cycles": (t[:, 0, :, END] - t[:, 1, :, END])[taken[:, 0]].abs().double().mean().item(),
     }

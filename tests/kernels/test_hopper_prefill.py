@@ -58,6 +58,7 @@ NON_FINITE = [
     ("dense-ctx223-q777-P16", "k_cache", 100, 7, -math.inf),
     ("elements-S16-P32", "v_cache", 590, 1, math.nan),
 ]
+CHECK_AFTER_CASES = ("phi3-ctx4097-q4095-fp16", "elements-S16-P32", "scale-zero", "all-rows-empty")
 PARAMS = [pytest.param(name, None, id=name) for name in CASES] + [
     pytest.param(name, poison, id=f"{name}-{poison[0]}-{poison[3]}@{poison[1]}")
     for name, *poison in NON_FINITE
@@ -77,12 +78,26 @@ def test_hopper_prefill(hopper_path, name, poison):
     _judge(name, poison)
 
 
-def test_hopper_prefill_balanced_walk(hopper_path, monkeypatch):
-    """The programs take the items `walk_order` deals them (BALANCED_WALK, off by default): 1024 items
-    on the GPU's programs, each exactly once."""
+@pytest.mark.parametrize("rounds", [1, 10**6], ids=["last-round", "every-round"])
+def test_hopper_prefill_balanced_walk(hopper_path, monkeypatch, rounds):
+    """The programs take the items `walk_order` deals them (BALANCED_WALK), in the last round (the
+    default) or in every one: 1024 items on the GPU's programs, each exactly once."""
     monkeypatch.setattr(hopper_prefill, "BALANCED_WALK", True)
+    monkeypatch.setattr(hopper_prefill, "BALANCED_ROUNDS", rounds)
     plan = _judge("phi3-ctx0-q4096", None)
     assert plan.hopper.planned["BALANCED"], "the plan did not take the balanced walk"
+
+
+@pytest.mark.parametrize(
+    ("name", "poison"),
+    [param for param in PARAMS if param.values[1] is not None or param.values[0] in CHECK_AFTER_CASES],
+)
+def test_hopper_prefill_v_check_after(hopper_path, monkeypatch, name, poison):
+    """V_CHECK_AFTER (off by default): a masked tile's weights times V as it is, the tile taken again
+    with V checked when that product is not finite; the non-finite cases and the masked layouts."""
+    monkeypatch.setattr(hopper_prefill, "V_CHECK_AFTER", True)
+    plan = _judge(name, poison)
+    assert plan.hopper.planned["V_CHECK_AFTER"], "the plan did not check V after the product"
 
 
 def _judge(name, poison):
@@ -108,8 +123,8 @@ def _judge(name, poison):
 
 def test_hopper_timeline(hopper_path):
     """The diagnostic timeline (hopper_prefill.TIMELINE, reports/hopper_timeline.py) of a Phi-3 prefill:
-    both consumers take every item once, each item's stamps come in phase order, its list lengths are
-    the plan's, and the output is the same as without it."""
+    both consumers take every item once, each item's stamps come in phase order (its partial tiles'
+    too, each with a mode), its list lengths are the plan's, and the output is the same as without it."""
     from kernels import tile_lists
     from reports import bench_kernels as bk
     from reports import hopper_timeline as ht
@@ -125,6 +140,16 @@ def test_hopper_timeline(hopper_path):
     order = [ht.START, ht.AFTER_FULL, ht.AFTER_PARTIAL, ht.END]
     assert (t[..., order].diff(dim=-1)[taken] >= 0).all()
     assert (t[..., ht.NS_END] >= t[..., ht.NS_START])[taken].all()
+    # Each stamped partial tile ends in order within the partial phase, with one of the three modes.
+    stamped = hopper_prefill.PARTIAL_STAMPS
+    listed = taken[..., None] & (torch.arange(stamped) < (t[..., ht.COUNT] - t[..., ht.N_FULL])[..., None])
+    ends = torch.where(
+        listed, t[..., ht.PARTIAL_END : ht.PARTIAL_END + stamped], t[..., ht.AFTER_PARTIAL, None]
+    )
+    phase = torch.cat([t[..., ht.AFTER_FULL, None], ends, t[..., ht.AFTER_PARTIAL, None]], -1)
+    assert (phase.diff(dim=-1)[taken] >= 0).all()
+    modes = t[..., ht.PARTIAL_MODE : ht.PARTIAL_MODE + stamped][listed]
+    assert ((modes >= 0) & (modes < len(ht.MODES))).all()
     lists = tile_lists.tile_lists(
         p.layout, bk.HEADS, n, hopper_prefill.BLOCK_M, hopper_prefill.BLOCK_N, 1, "cpu"
     )

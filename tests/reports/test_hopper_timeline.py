@@ -6,7 +6,14 @@ import torch
 
 from reports import hopper_timeline as ht
 
-FULL_TILE, ITEM_START, PARTIAL_TILE, EPILOGUE, BETWEEN = 100, 50, 30, 40, 10
+FULL_TILE, ITEM_START, EPILOGUE, BETWEEN = 100, 50, 40, 10
+# A partial tile's cycles by mode (ht.MODES); an item's partial tiles cycle through them.
+MODE_CYCLES = (6, 30, 42, 56)
+
+
+def partial_cycles(n_partial):
+    """An item's partial phase: its n_partial tiles' modes cycle through MODE_CYCLES."""
+    return sum(MODE_CYCLES[i % len(MODE_CYCLES)] for i in range(n_partial))
 
 
 def synthetic(items_per_program, n_full, n_partial, ghz=2.0):
@@ -19,30 +26,41 @@ def synthetic(items_per_program, n_full, n_partial, ghz=2.0):
             clock = 0
             for r in range(items):
                 after_full = clock + ITEM_START + FULL_TILE * n_full[r]
-                after_partial = after_full + PARTIAL_TILE * n_partial[r]
+                modes = [i % len(MODE_CYCLES) for i in range(n_partial[r])]
+                tile_ends = (after_full + torch.tensor([MODE_CYCLES[m] for m in modes]).cumsum(0)).tolist()
+                after_partial = tile_ends[-1] if tile_ends else after_full
                 end = after_partial + EPILOGUE
-                t[p, c, r] = torch.tensor(
+                t[p, c, r, : ht.PARTIAL_END] = torch.tensor(
                     [1000 + clock / ghz, clock, after_full, after_partial, end, 1000 + end / ghz, n_full[r],
                      n_full[r] + n_partial[r]]
                 )  # fmt: skip
+                stamped = min(n_partial[r], ht.hopper_prefill.PARTIAL_STAMPS)
+                t[p, c, r, ht.PARTIAL_END : ht.PARTIAL_END + stamped] = torch.tensor(tile_ends[:stamped])
+                t[p, c, r, ht.PARTIAL_MODE : ht.PARTIAL_MODE + stamped] = torch.tensor(modes[:stamped])
                 clock = end + BETWEEN
     return t
 
 
 def test_summary_reads_back_the_phases():
-    n_full, n_partial = [3, 7, 5], [2, 1, 4]
+    n_full, n_partial = [3, 7, 5], [3, 0, 6]  # the last item's last two partial tiles go unstamped
     s = ht.summarize(synthetic([3, 2], n_full, n_partial))
     cycles = s["cycles"]
     assert cycles["full_tile"] == pytest.approx(FULL_TILE)
     assert cycles["full_phase_intercept"] == pytest.approx(ITEM_START)
-    assert cycles["partial_tile"] == pytest.approx(PARTIAL_TILE)
+    items = n_partial + n_partial[:2]  # the first program's three, the second's two
+    assert cycles["partial_tile"] == pytest.approx(sum(map(partial_cycles, items)) / sum(items))
     assert cycles["epilogue_item"] == pytest.approx(EPILOGUE)
     assert cycles["between_items"] == pytest.approx(BETWEEN)
     assert s["ghz"] == pytest.approx(2.0)
     assert s["items"] == 5
     assert sum(s["share"].values()) == pytest.approx(1.0)
     # The program with two items ends one gap and one third item before the other.
-    third = BETWEEN + ITEM_START + FULL_TILE * n_full[2] + PARTIAL_TILE * n_partial[2] + EPILOGUE
+    third = BETWEEN + ITEM_START + FULL_TILE * n_full[2] + partial_cycles(n_partial[2]) + EPILOGUE
     assert s["imbalance"]["end_gap_us_max"] == pytest.approx(third / 2.0 / 1e3)
     assert s["tiles_per_item"]["full"] == pytest.approx(sum(n_full + n_full[:2]) / 5)
     assert s["consumer_skew_cycles"] == 0
+    # Stamped: three items' first three partial tiles (skip, whole, causal) and one fourth (masked).
+    for mode, name in enumerate(ht.MODES):
+        assert s["partial_modes"][name]["cycles"] == pytest.approx(MODE_CYCLES[mode])
+    assert s["partial_modes"]["skip"]["tiles_per_item"] == pytest.approx(2 * 3 / 10)
+    assert s["partial_modes"]["masked"]["tiles_per_item"] == pytest.approx(2 * 1 / 10)
