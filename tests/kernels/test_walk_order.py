@@ -17,32 +17,19 @@ from tests.budgets import examples
 pytestmark = [pytest.mark.ours, pytest.mark.operator("paged_prefill")]
 
 
-def problems():
+@st.composite
+def problems(draw):
     """(counts, query tiles, heads, programs) of a plan: list counts [2, tiles, 1 or heads]."""
-    return st.tuples(
-        st.integers(1, 12),  # absolute query tiles the lists cover
-        st.integers(1, 6),  # heads
-        st.booleans(),  # one list for every head
-        st.integers(1, 40),  # programs
-        st.data(),
-    ).map(lambda args: _problem(*args))
-
-
-def _problem(num_abs, heads, shared, programs, data):
-    counts = torch.tensor(
-        data.draw(
-            st.lists(
-                st.integers(0, 30),
-                min_size=2 * num_abs * (1 if shared else heads),
-                max_size=2 * num_abs * (1 if shared else heads),
-            )
-        ),
-        dtype=torch.int32,
-    ).view(2, num_abs, 1 if shared else heads)
-    query_tiles = data.draw(
+    num_abs = draw(st.integers(1, 12))  # absolute query tiles the lists cover
+    heads = draw(st.integers(1, 6))
+    lists = 1 if draw(st.booleans()) else heads  # one list for every head, or one a head
+    size = 2 * num_abs * lists
+    counts = draw(st.lists(st.integers(0, 30), min_size=size, max_size=size))
+    query_tiles = draw(
         st.lists(st.tuples(st.integers(0, 3), st.integers(0, num_abs - 1)), min_size=1, max_size=20)
     )
-    return counts, query_tiles, heads, min(programs, len(query_tiles) * heads)  # the launch's grid
+    programs = min(draw(st.integers(1, 40)), len(query_tiles) * heads)  # the launch's grid
+    return torch.tensor(counts, dtype=torch.int32).view(2, num_abs, lists), query_tiles, heads, programs
 
 
 def item_costs(counts, query_tiles, heads) -> np.ndarray:
