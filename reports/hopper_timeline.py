@@ -15,7 +15,7 @@ import statistics
 
 import torch
 
-from kernels import hopper_prefill
+from kernels import hopper_prefill, tile_lists
 from reports import bench_kernels as bk
 
 # (tokens, queries, layout): the 8k rows short of issue 16's target, 32k, and dense causal 8k.
@@ -30,7 +30,12 @@ ROWS = [
 # The stamps' fields (TIMELINE_FIELDS of them an item).
 NS_START, START, AFTER_FULL, AFTER_PARTIAL, END, NS_END, N_FULL, COUNT = range(8)
 PARTIAL_END, PARTIAL_MODE = 8, 8 + hopper_prefill.PARTIAL_STAMPS  # then a field a stamped partial tile
-MODES = ("skip", "whole", "causal", "masked")  # kernels/tile_lists.py's HALF_* modes, in order
+MODES = {  # a stamped tile's mode (kernels/tile_lists.py's HALF_*) -> its name in the summary
+    tile_lists.HALF_SKIP: "skip",
+    tile_lists.HALF_WHOLE: "whole",
+    tile_lists.HALF_CAUSAL: "causal",
+    tile_lists.HALF_MASKED: "masked",
+}
 
 
 def stamps(prefill, p) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,7 +92,7 @@ def summarize(t: torch.Tensor) -> dict:
     modes = t[..., PARTIAL_MODE : PARTIAL_MODE + stamped]
     listed = taken[..., None] & (torch.arange(stamped) < (t[..., COUNT] - t[..., N_FULL])[..., None])
     by_mode = {}
-    for mode, name in enumerate(MODES):
+    for mode, name in MODES.items():
         chosen = listed & (modes == mode)
         by_mode[name] = {
             "tiles_per_item": chosen.sum().item() / max(taken.sum().item(), 1),

@@ -60,7 +60,7 @@ def test_summary_reads_back_the_phases():
     assert s["tiles_per_item"]["full"] == pytest.approx(sum(n_full + n_full[:2]) / 5)
     assert s["consumer_skew_cycles"] == 0
     # Stamped: three items' first three partial tiles (skip, whole, causal) and one fourth (masked).
-    for mode, name in enumerate(ht.MODES):
+    for mode, name in ht.MODES.items():
         assert s["partial_modes"][name]["cycles"] == pytest.approx(MODE_CYCLES[mode])
     assert s["partial_modes"]["skip"]["tiles_per_item"] == pytest.approx(2 * 3 / 10)
     assert s["partial_modes"]["masked"]["tiles_per_item"] == pytest.approx(2 * 1 / 10)
