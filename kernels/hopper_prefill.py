@@ -78,7 +78,8 @@ V_CHECK_AFTER = False
 # (reports/hopper_timeline.py).
 TIMELINE = None
 PARTIAL_STAMPS = 4
-TIMELINE_FIELDS = 8 + 2 * PARTIAL_STAMPS
+ITEM_FIELDS = 8  # an item's own stamps and list lengths; then each stamped partial tile's end and mode
+TIMELINE_FIELDS = ITEM_FIELDS + 2 * PARTIAL_STAMPS
 FALLBACK_WARPS = 8  # the Triton kernel's warps on these 128-row tiles (a run with misaligned caches)
 HEAD_DIMS = (64, 128)
 MIN_PAGE_ROWS = 8  # the 128-byte swizzle's atom: a TMA copy into a slot starts on one
@@ -100,6 +101,7 @@ NEG_INF = gl.constexpr(float("-inf"))
 LN2 = gl.constexpr(0.6931471805599453)
 TIMELINE_FIELDS_C = gl.constexpr(TIMELINE_FIELDS)
 PARTIAL_STAMPS_C = gl.constexpr(PARTIAL_STAMPS)
+ITEM_FIELDS_C = gl.constexpr(ITEM_FIELDS)
 
 
 def on_hopper(device: torch.device) -> bool:
@@ -671,8 +673,8 @@ def _consumer(
                 )  # fmt: skip
             if TIMELINE:  # noqa: SIM102 (a compile-time if around a runtime one)
                 if t < PARTIAL_STAMPS_C:
-                    _stamp(p_stamp + 8 + t, k + t)
-                    gl.store(p_stamp + 8 + PARTIAL_STAMPS_C + t, mode.to(gl.int64))
+                    _stamp(p_stamp + ITEM_FIELDS_C + t, k + t)
+                    gl.store(p_stamp + ITEM_FIELDS_C + PARTIAL_STAMPS_C + t, mode.to(gl.int64))
         k += n_partial
         if TIMELINE:
             _stamp(p_stamp + 3, k)

@@ -28,8 +28,10 @@ ROWS = [
     (8192, 8192, "dense"),
 ]
 # The stamps' fields (TIMELINE_FIELDS of them an item).
-NS_START, START, AFTER_FULL, AFTER_PARTIAL, END, NS_END, N_FULL, COUNT = range(8)
-PARTIAL_END, PARTIAL_MODE = 8, 8 + hopper_prefill.PARTIAL_STAMPS  # then a field a stamped partial tile
+NS_START, START, AFTER_FULL, AFTER_PARTIAL, END, NS_END, N_FULL, COUNT = range(hopper_prefill.ITEM_FIELDS)
+# Then a field a stamped partial tile: its end, and after those its mode.
+PARTIAL_END = hopper_prefill.ITEM_FIELDS
+PARTIAL_MODE = PARTIAL_END + hopper_prefill.PARTIAL_STAMPS
 MODES = {  # a stamped tile's mode (kernels/tile_lists.py's HALF_*) -> its name in the summary
     tile_lists.HALF_SKIP: "skip",
     tile_lists.HALF_WHOLE: "whole",
