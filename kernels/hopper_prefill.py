@@ -6,9 +6,9 @@ takes this path when `ENABLED` is set and `supports(...)` holds, and falls back 
 otherwise (and for a run whose caches are not 16-byte aligned, which the tensor-memory copies need).
 A launch allocates 256 bytes a program for the K and V caches' TMA descriptors through Triton's
 allocator (`triton.set_allocator`); where the calling thread has none, a run sets torch's.
-The grid is persistent (a program an SM, each taking every `num_programs`-th (query tile, head) of
-the walk order, or with `BALANCED_WALK` the items `walk_order` deals it), and a program runs three
-warp-specialized parts on 128-row query tiles:
+The grid is persistent (a program an SM, each taking the units `plan_walk` gives it: (query tile,
+head) items, or parts of an item's key tiles whose softmax states the last part to end merges), and
+a program runs three warp-specialized parts on 128-row query tiles:
 - a producer warp walks each tile's lists and copies its key tiles' K and V by TMA, page by page
   (`PAGE_ROWS` rows a copy), into a ring of `STAGES` shared-memory slots: a slot is refilled as soon
   as both consumers have released it, across query tiles, so no compute warp issues a copy or waits
@@ -25,6 +25,8 @@ Not on this path: float32 (scores in float64), head dims other than 64 and 128, 
 8 rows or of sizes that neither divide nor are multiples of `BLOCK_N`, and caches whose rows are not
 contiguous (a TMA descriptor needs `[num_pages * page_size, num_kv_heads * head_dim]` rows).
 """
+
+import math
 
 import numpy as np
 import torch
@@ -58,7 +60,7 @@ DEVICE_DESCRIPTORS = True
 # group of 4) fill the register file at 168 a thread on average, one program an SM.
 MAX_REGISTERS, CONSUMER_REGISTERS, PRODUCER_REGISTERS = 168, 240, 24
 # Program p takes items p, p + num_programs, ... of the head-major walk, except in the last
-# BALANCED_ROUNDS rounds, which `walk_order` deals by cost (each round's costliest item to its
+# BALANCED_ROUNDS rounds, which `plan_walk` deals by cost (each round's costliest item to its
 # least-loaded program). Dealing every round moved which items run side by side and slowed the full
 # tiles (2-3% slower at 8k, reports/gpu/kernel-ab.md §17, §22); the last round alone keeps them and
 # evens the programs' ends. An item's cost in full key tiles: a partial tile counts as PARTIAL_COST,
@@ -66,6 +68,14 @@ MAX_REGISTERS, CONSUMER_REGISTERS, PRODUCER_REGISTERS = 168, 240, 24
 BALANCED_WALK = True
 BALANCED_ROUNDS = 1
 PARTIAL_COST, ITEM_COST = 1.7, 2.8
+# Whole items end up to an item apart (at 8k with 832 queries, 224 items on 132 programs, the mean
+# program idled 17% of the kernel's span, §22). SPLIT_LAST splits the last round's items across
+# programs instead, into parts of at least MIN_SPLIT_TILES key tiles, where the cost model ends the
+# programs sooner: a part's state store and merge cost SPLIT_COST more than a whole item's epilogue
+# (6600 cycles, 4 full tiles). Off: the programs then end together, but at 8k with 832 queries the
+# kernel was 7% slower (2-3% faster at 32k with 3328 and 8192 queries; reports/gpu/kernel-ab.md §23).
+SPLIT_LAST = False
+MIN_SPLIT_TILES, SPLIT_COST = 4, 4.0
 # A masked tile's weights times the slot's V as it is, the tile taken again with V checked and copied
 # only when that product is not finite (V is nearly always finite): its masked tiles cost 1200 cycles
 # less, and it was 0.5-3% faster than the landed kernel at the 8k rows in reports/gpu/kernel-ab.md §22's
@@ -73,9 +83,9 @@ PARTIAL_COST, ITEM_COST = 1.7, 2.8
 # path now takes the scores again instead of keeping them live (ptxas spills 84/152 bytes, against
 # 200/284 as timed; the default path's 52/128).
 V_CHECK_AFTER = False
-# A diagnostic, None in production: an int64 tensor [programs, 2, rounds, TIMELINE_FIELDS] that each
-# consumer fills with clock stamps of its items' phases and of its first PARTIAL_STAMPS partial tiles
-# (reports/hopper_timeline.py).
+# A diagnostic, None in production: an int64 tensor [units, 2, TIMELINE_FIELDS] (`timeline_shape`)
+# that each consumer fills with clock stamps of its units' phases and of their first PARTIAL_STAMPS
+# partial tiles (reports/hopper_timeline.py).
 TIMELINE = None
 PARTIAL_STAMPS = 4
 ITEM_FIELDS = 8  # an item's own stamps and list lengths; then each stamped partial tile's end and mode
@@ -87,7 +97,7 @@ GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 # Runtime integers that may be 1 (a compiled-in 1 cannot be handed to a warp-specialized partition).
 NOT_SPECIALIZED = [
     "page_size", "num_blocks", "sparse_block", "group", "stride_list_head", "cache_rows", "stride_bt",
-    "stride_mask_head", "num_tiles", "num_heads",
+    "stride_mask_head", "num_heads",
 ]  # fmt: skip
 
 CONSUMER_THREADS = gl.constexpr(4 * 32)  # a consumer warp group
@@ -136,34 +146,162 @@ def aligned(*tensors: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
-def walk_order(
-    counts: torch.Tensor, query_tiles: list, num_heads: int, programs: int, balanced_rounds: int
-) -> torch.Tensor:
-    """int32 [num_items]: entry r * programs + p is the item (in `_work`'s head-major order) that
-    program p takes in its r-th round: in the last `balanced_rounds` rounds (at least one) each round's
-    costliest item goes to its least-loaded program, before them item r * programs + p (up to which
-    program is called p). `counts`: the lists' counts [2, tiles, 1 or num_heads] (CPU); `query_tiles`:
-    the (sequence, absolute query tile) of each query tile."""
+UNIT_FIELDS = 6  # a walk's unit: item, begin, end, slot, first slot, parts (see `Walk`)
+# What the kernel reads of a unit, all fixed at planning, so that a unit's loads do not wait on one
+# another: its item's sequence, absolute query tile, head and full tiles' count, its tiles begin ..
+# end - 1, its slot, first slot and parts, its sequence's first query token, context and length.
+ROW_FIELDS = 12
+ROW_FIELDS_C = gl.constexpr(ROW_FIELDS)
+
+
+class Walk:
+    """Which program takes what, in order: `units` int32 [num_units, UNIT_FIELDS], program p's being
+    rows offsets[p] .. offsets[p + 1] - 1 (`offsets` int32 [programs + 1]). A unit (w, begin, end,
+    slot, first, parts) is item w (`_work`'s head-major numbering: head w // T, query tile
+    T - 1 - w % T) over tiles begin .. end - 1 of its lists (its full tiles, then its partial ones).
+    An item taken whole has slot -1; one split into `parts` units has their softmax states at slots
+    first .. first + parts - 1 of the launch's `num_slots`, and the last of them to end merges them."""
+
+    def __init__(self, offsets: np.ndarray, units: np.ndarray, num_slots: int):
+        self.offsets, self.units, self.num_slots = offsets.astype(np.int32), units.astype(np.int32), num_slots
+
+    def flat(
+        self, counts: torch.Tensor, query_tiles: list, seq_lens: list, query_starts: list
+    ) -> torch.Tensor:
+        """int32: the offsets, then each unit's ROW_FIELDS (what the kernel's `walk` points at), for
+        lists with these counts [2, tiles, 1 or num_heads] over these (sequence, absolute query tile)
+        query tiles of sequences of these lengths and first query tokens (query_starts: [seqs + 1])."""
+        w, tiles = self.units[:, 0].astype(np.int64), len(query_tiles)
+        head, tile = w // tiles, tiles - 1 - w % tiles
+        seq, qtile = np.array(query_tiles, dtype=np.int64).reshape(-1, 2)[tile].T
+        n_full = counts[0].numpy()[qtile, np.minimum(head, counts.shape[2] - 1)]
+        seq_len, starts = np.array(seq_lens, dtype=np.int64), np.array(query_starts, dtype=np.int64)
+        context = seq_len - (starts[1:] - starts[:-1])
+        rows = [seq, qtile, head, n_full, *self.units[:, 1:].T, starts[seq], context[seq], seq_len[seq]]
+        return torch.from_numpy(
+            np.concatenate([self.offsets, np.stack(rows, 1).astype(np.int32).reshape(-1)])
+        )
+
+
+def plan_walk(
+    counts: torch.Tensor, query_tiles: list, num_heads: int, programs: int, dealt_rounds: int, split: bool
+) -> Walk:
+    """The programs' work. Program p takes items p, p + programs, ... of the head-major walk, except in
+    the last `dealt_rounds` rounds (0: none), where each round's costliest item goes to its
+    least-loaded program. With `split`, the last round is dealt (whatever `dealt_rounds`), tile by
+    tile so that the programs end together (`_deal_split`). `counts`: the lists' counts [2, tiles,
+    1 or num_heads] (CPU); `query_tiles`: the (sequence, absolute query tile) of each query tile."""
     tiles_abs = [t for _, t in query_tiles]
-    full, partial = counts[0, tiles_abs].numpy(), counts[1, tiles_abs].numpy()  # [T, 1 or H]
-    cost = np.broadcast_to(full + PARTIAL_COST * partial + ITEM_COST, (len(tiles_abs), num_heads))
-    cost = cost[::-1].T.reshape(-1)  # item w: head w // T, query tile T - 1 - w % T
+    shape = (len(tiles_abs), num_heads)
+    full = np.broadcast_to(counts[0, tiles_abs].numpy(), shape)[::-1].T.reshape(-1).astype(np.int64)
+    partial = np.broadcast_to(counts[1, tiles_abs].numpy(), shape)[::-1].T.reshape(-1).astype(np.int64)
+    cost = full + PARTIAL_COST * partial + ITEM_COST  # an item's, in full tiles
     num_items = cost.shape[0]
     rounds = -(-num_items // programs)
+    fixed = max(rounds - max(dealt_rounds, int(split)), 0)  # rounds taken in head-major order
     taken = np.full((rounds, programs), -1, dtype=np.int64)
-    fixed = max(rounds - max(balanced_rounds, 1), 0)  # whole rounds, taken in order
-    taken[:fixed] = np.arange(fixed * programs).reshape(fixed, programs)
-    loads = cost[: fixed * programs].reshape(fixed, programs).sum(0)
+    head_major = np.arange(fixed * programs).reshape(fixed, programs)
+    taken[:fixed] = np.where(head_major < num_items, head_major, -1)
+    loads = (
+        np.pad(cost, (0, rounds * programs - num_items))[: fixed * programs].reshape(fixed, programs).sum(0)
+    )
     for r in range(fixed, rounds):
         items = np.arange(r * programs, min(num_items, (r + 1) * programs))
         items = items[np.argsort(-cost[items], kind="stable")]
         takers = np.argsort(loads, kind="stable")[: items.shape[0]]
         taken[r, takers] = items
         loads[takers] += cost[items]
-    # The last round's takers become programs 0, 1, ...: a program's items are w = p + r * programs.
-    relabel = np.argsort(taken[-1] < 0, kind="stable")
-    order = taken[:, relabel].reshape(-1)
-    return torch.from_numpy(order[order >= 0].astype(np.int32))
+    split_units, num_slots = [], 0
+    if split:  # the last round split instead, where the cost model says it ends sooner
+        items = taken[-1][taken[-1] >= 0]
+        before = loads.copy()
+        np.subtract.at(before, np.nonzero(taken[-1] >= 0)[0], cost[items])
+        split_units, num_slots, split_loads = _deal_split(
+            items[np.argsort(-cost[items], kind="stable")], full, partial, before
+        )
+        if split_loads.max() < loads.max():
+            taken[-1] = -1
+        else:
+            split_units, num_slots = [], 0
+    # The rounds' units, program by program, then each program's units of a split last round.
+    program, w = np.nonzero(taken.T >= 0)[0], taken.T[taken.T >= 0]
+    units = np.stack([w, np.zeros_like(w), full[w] + partial[w], np.full_like(w, -1), 0 * w, 1 + 0 * w], 1)
+    if split_units:
+        program = np.concatenate([program, [p for p, _ in split_units]])
+        units = np.concatenate([units, np.array([u for _, u in split_units], dtype=np.int64)])
+    order = np.argsort(program, kind="stable")
+    offsets = np.concatenate([[0], np.cumsum(np.bincount(program, minlength=programs))])
+    return Walk(offsets, units[order], num_slots)
+
+
+def _deal_split(items, full, partial, loads) -> tuple:
+    """`plan_walk`'s last round: the items, in this order, as one stream of tiles that the programs
+    (least-loaded first) take in turn, each up to a common end; an item that would take a program past
+    it is split there (parts of at least MIN_SPLIT_TILES tiles). The end starts at the programs' mean
+    and rises until the stream fits, since each part adds a unit's set-up and SPLIT_COST. Returns the
+    (program, unit) pairs, the slots the split items take and the programs' loads then."""
+    full, partial = full[items].tolist(), partial[items].tolist()
+    order = np.argsort(loads, kind="stable").tolist()
+    sorted_loads = loads[order].tolist()
+    whole = [_cost(f, 0, f + p) + ITEM_COST for f, p in zip(full, partial, strict=True)]
+    end = (sum(sorted_loads) + sum(whole)) / len(order)
+    for _ in range(8):  # the end's rises: it fits in 2 or 3 at issue 16's rows
+        units, left = _fill(full, partial, sorted_loads, end)
+        if left == 0:
+            break
+        end += left / len(order)
+    else:  # what is left of the stream goes, whole, to the least-loaded program after all
+        units = _fill(full, partial, sorted_loads + [-math.inf], end)[0]  # room: inf
+        order.append(int(np.argmin(loads)))
+    parts: dict = {}
+    for i, j, begin, stop in units:
+        parts.setdefault(j, []).append((order[i], begin, stop))
+    split_units, num_slots, loads = [], 0, loads.copy()
+    for j, taken in parts.items():
+        whole = len(taken) == 1
+        for k, (p, begin, stop) in enumerate(taken):
+            slots = (-1, 0, 1) if whole else (num_slots + k, num_slots, len(taken))
+            split_units.append((p, (items[j], begin, stop) + slots))
+            loads[p] += ITEM_COST + _cost(full[j], begin, stop) + (0 if whole else SPLIT_COST)
+        num_slots += 0 if whole else len(taken)
+    return split_units, num_slots, loads
+
+
+def _cost(full: int, begin: int, end: int) -> float:
+    """Tiles begin .. end - 1 of an item with `full` full tiles, in full tiles."""
+    fulls = min(end, full) - min(begin, full)
+    return fulls + PARTIAL_COST * (end - begin - fulls)
+
+
+def _fill(full: list, partial: list, loads: list, end: float) -> tuple:
+    """`_deal_split`'s stream over programs with these loads, in turn, each up to `end`: the units
+    (program index, item index, begin, stop) and the cost of the stream left over."""
+    units = []
+    j, begin = 0, 0
+    for i, load in enumerate(loads):
+        room = end - load - ITEM_COST
+        while j < len(full):
+            f, n = full[j], full[j] + partial[j]
+            rest = _cost(f, begin, n) + (SPLIT_COST if begin else 0)
+            # Taken whole when it overshoots by less than half a split's set-up, or is too short to split.
+            if rest <= room + ITEM_COST / 2 or n - begin < 2 * MIN_SPLIT_TILES:
+                if rest > room + ITEM_COST / 2 and room < rest / 2:
+                    break  # a short rest that does not fit: the next program's
+                units.append((i, j, begin, n))
+                room -= rest + ITEM_COST
+                j, begin = j + 1, 0
+                continue
+            # The most tiles that fit, leaving a part behind.
+            fulls, space = max(f - begin, 0), room - SPLIT_COST
+            fit = int(space) if space <= fulls else fulls + int((space - fulls) / PARTIAL_COST)
+            stop = min(begin + fit, n - MIN_SPLIT_TILES)
+            if stop - begin >= MIN_SPLIT_TILES:
+                units.append((i, j, begin, stop))
+                begin = stop
+            break
+    left = sum(_cost(full[k], 0, full[k] + partial[k]) + ITEM_COST for k in range(j, len(full)))
+    left += SPLIT_COST - _cost(full[j], 0, begin) if begin else 0
+    return units, left
 
 
 def num_programs(grid, device: torch.device) -> int:
@@ -171,40 +309,41 @@ def num_programs(grid, device: torch.device) -> int:
     return min(grid[0] * grid[1], num_sms(device))
 
 
-def timeline_shape(grid, device: torch.device) -> tuple:
-    """The TIMELINE buffer's shape for a grid of (query tiles, heads): (programs, consumers, rounds,
-    fields), a program taking at most `rounds` items."""
-    programs = num_programs(grid, device)
-    return (programs, 2, -(-grid[0] * grid[1] // programs), TIMELINE_FIELDS)
+def timeline_shape(walk: Walk) -> tuple:
+    """The TIMELINE buffer's shape for a plan's walk: (units, consumers, fields)."""
+    return (walk.units.shape[0], 2, TIMELINE_FIELDS)
 
 
 def launch(
-    grid, device: torch.device, planned: dict, descriptors: "CacheDescriptors", balanced: bool
+    grid, device: torch.device, planned: dict, descriptors: "CacheDescriptors", walk: Walk
 ) -> BoundLaunch:
     """The bound launch of `hopper_prefill_kernel`, from the Triton kernel's planned arguments and grid
-    (query tiles, heads). `balanced`: the planned tiles are followed by `walk_order`'s entries;
-    otherwise program p takes items p, p + num_programs, ..."""
+    (query tiles, heads), whose planned tiles are followed by the walk's `flat()` entries. The launch
+    owns its split items' states and counts: a plan's runs must not overlap (one stream)."""
     names = set(hopper_prefill_kernel.arg_names)
     num_tiles, num_heads = grid
-    programs = num_programs(grid, device)
     if TIMELINE is not None:  # the kernel writes every stamp it may take: the buffer must hold them all
-        shape = timeline_shape(grid, device)
+        shape = timeline_shape(walk)
         if TIMELINE.dtype != torch.int64 or tuple(TIMELINE.shape) != shape or TIMELINE.device != device:
             raise ValueError(f"hopper_prefill.TIMELINE: expected int64 {list(shape)} on {device}")
+    head_dim = descriptors.block[1]
+    slots = max(walk.num_slots, 1)
     return BoundLaunch(
         hopper_prefill_kernel,
-        (programs,),
+        (walk.offsets.shape[0] - 1,),
         device,
         **{name: value for name, value in planned.items() if name in names},
-        num_tiles=num_tiles,
         num_heads=num_heads,
         cache_rows=descriptors.shape[0],
-        HEAD_DIM=descriptors.block[1],
+        HEAD_DIM=head_dim,
         PAGE_ROWS=descriptors.block[0],
         STAGES=STAGES,
         DEVICE_DESCRIPTORS=descriptors.on_device,
-        walk=planned["tiles"][2 * num_tiles :] if balanced else planned["tiles"],
-        BALANCED=balanced,
+        walk=planned["tiles"][2 * num_tiles :],
+        # A consumer's state a slot: accumulator [ROWS, head_dim], then rows' maxima, sums, seen flags.
+        split_state=torch.empty(slots * BLOCK_M * (head_dim + 3), dtype=torch.float32, device=device),
+        split_done=torch.zeros(slots * 2, dtype=torch.int32, device=device),  # parts ended, a consumer
+        SPLIT=walk.num_slots > 0,  # compiled in only for walks with split items (its code costs, §23)
         timeline=planned["tiles"] if TIMELINE is None else TIMELINE,
         TIMELINE=TIMELINE is not None,
         V_CHECK_AFTER=V_CHECK_AFTER,
@@ -286,23 +425,26 @@ def _tile_ptr(p_full, p_partial, t, n_full):
 
 
 @gluon.jit
-def _work(
-    w, num_tiles, tiles, tile_lists, stride_list_kind, stride_list_tile, stride_list_head, walk,
-    BALANCED: gl.constexpr,
-):  # fmt: skip
-    """Work item w of the walk order (query tile, head): head-major, each head's query tiles last-first
-    (a sequence's last tiles see the most keys), or BALANCED, the walk's w-th entry of that order. Its
-    sequence, absolute query tile, head and lists."""
-    if BALANCED:
-        w = gl.load(walk + w)
-    i_h = (w // num_tiles).to(gl.int64)
-    i_t = (num_tiles - 1 - w % num_tiles).to(gl.int64)
-    i_b = gl.load(tiles + 2 * i_t).to(gl.int64)
-    i_qt = gl.load(tiles + 2 * i_t + 1)
+def _work(u, tile_lists, stride_list_kind, stride_list_tile, stride_list_head, units):
+    """Unit u of the walk (`Walk`, its row of ROW_FIELDS): its item's sequence, absolute query tile,
+    head, lists and full tiles' count, and the tiles it takes, begin .. end - 1."""
+    p_unit = units + u * ROW_FIELDS_C
+    i_b = gl.load(p_unit).to(gl.int64)
+    i_qt = gl.load(p_unit + 1)
+    i_h = gl.load(p_unit + 2).to(gl.int64)
     p_full = tile_lists + i_qt.to(gl.int64) * stride_list_tile + i_h * stride_list_head
     p_partial = p_full + stride_list_kind
-    n_full = gl.load(p_full)
-    return i_b, i_qt, i_h, p_full, p_partial, n_full, n_full + gl.load(p_partial)
+    return i_b, i_qt, i_h, p_full, p_partial, gl.load(p_unit + 3), gl.load(p_unit + 4), gl.load(p_unit + 5)
+
+
+@gluon.jit
+def _units(walk):
+    """The program's units of the walk: their first and end rows, and the units' base."""
+    return (
+        gl.load(walk + gl.program_id(0)),
+        gl.load(walk + gl.program_id(0) + 1),
+        walk + gl.num_programs(0) + 1,
+    )
 
 
 @gluon.jit
@@ -318,10 +460,10 @@ def _page_rows(n, p_bt, seq_len, page_size, cache_rows, pred, o_box, PAGE_ROWS: 
 
 @gluon.jit
 def _producer(
-    k_cache, v_cache, k_smem, v_smem, ready, empty, block_tables, seq_lens, tiles, tile_lists, stride_bt,
-    stride_list_kind, stride_list_tile, stride_list_head, page_size, group, cache_rows, num_tiles,
-    num_heads, walk, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_ROWS: gl.constexpr,
-    STAGES: gl.constexpr, DEVICE_DESCRIPTORS: gl.constexpr, BALANCED: gl.constexpr,
+    k_cache, v_cache, k_smem, v_smem, ready, empty, block_tables, tile_lists, stride_bt, stride_list_kind,
+    stride_list_tile, stride_list_head, page_size, group, cache_rows, num_heads, walk,
+    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_ROWS: gl.constexpr, STAGES: gl.constexpr,
+    DEVICE_DESCRIPTORS: gl.constexpr,
 ):  # fmt: skip
     """Copies the key tiles of the program's work items, in walk order, into the ring: the k-th tile
     goes to slot k % STAGES once both consumers have released it (`empty`), and completes on `ready`."""
@@ -338,23 +480,24 @@ def _producer(
     box_layout: gl.constexpr = gl.BlockedLayout([BOXES], [32], [gl.num_warps()], [0])
     o_box = gl.arange(0, BOXES, layout=box_layout)
     k = 0
-    for w in range(gl.program_id(0), num_tiles * num_heads, gl.num_programs(0)):
-        i_b, _, i_h, p_full, p_partial, n_full, count = _work(
-            w, num_tiles, tiles, tile_lists, stride_list_kind, stride_list_tile, stride_list_head, walk,
-            BALANCED,
-        )  # fmt: skip
-        seq_len = gl.load(seq_lens + i_b)
+    u_begin, u_end, units = _units(walk)
+    for u in range(u_begin, u_end):
+        i_b, _, i_h, p_full, p_partial, n_full, begin, end = _work(
+            u, tile_lists, stride_list_kind, stride_list_tile, stride_list_head, units
+        )
+        seq_len = gl.load(units + u * ROW_FIELDS_C + 11)
         kv_col = ((i_h // group) * HEAD_DIM).to(gl.int32)
         p_bt = block_tables + i_b * stride_bt
-        n = (gl.load(_tile_ptr(p_full, p_partial, 0, n_full), mask=count > 0, other=0) & TILE_MASK) * BLOCK_N
-        rows = _page_rows(n, p_bt, seq_len, page_size, cache_rows, count > 0, o_box, PAGE_ROWS)
-        for t in range(count):
+        entry = gl.load(_tile_ptr(p_full, p_partial, begin, n_full), mask=begin < end, other=0)
+        rows = _page_rows((entry & TILE_MASK) * BLOCK_N, p_bt, seq_len, page_size, cache_rows, begin < end,
+                          o_box, PAGE_ROWS)  # fmt: skip
+        for t in range(begin, end):
             # The next tile's page rows, looked up before waiting for this tile's slot.
             t_next = t + 1
-            entry = gl.load(_tile_ptr(p_full, p_partial, t_next, n_full), mask=t_next < count, other=0)
+            entry = gl.load(_tile_ptr(p_full, p_partial, t_next, n_full), mask=t_next < end, other=0)
             n_next = (entry & TILE_MASK) * BLOCK_N
             rows_next = _page_rows(
-                n_next, p_bt, seq_len, page_size, cache_rows, t_next < count, o_box, PAGE_ROWS
+                n_next, p_bt, seq_len, page_size, cache_rows, t_next < end, o_box, PAGE_ROWS
             )
             slot = k % STAGES
             # A slot's first wait passes at once (a fresh barrier's phase before 0 counts as complete).
@@ -542,18 +685,19 @@ def _attend_pairs(
 
 
 @gluon.jit
-def _item(w, num_tiles, tiles, tile_lists, stride_list_kind, stride_list_tile, stride_list_head, seq_lens,
-          query_start_loc, walk, BALANCED: gl.constexpr):  # fmt: skip
-    """Work item w's scalars, its loads issued together (an item's are loaded during the one before):
-    its query tile, head and lists (`_work`), its sequence's first query token, context and length."""
-    i_b, i_qt, i_h, p_full, p_partial, n_full, count = _work(
-        w, num_tiles, tiles, tile_lists, stride_list_kind, stride_list_tile, stride_list_head, walk,
-        BALANCED,
-    )  # fmt: skip
-    q_begin = gl.load(query_start_loc + i_b)
-    q_end = gl.load(query_start_loc + i_b + 1)
-    seq_len = gl.load(seq_lens + i_b)
-    return i_qt, i_h, p_full, p_partial, n_full, count, q_begin, seq_len - (q_end - q_begin), seq_len
+def _item(u, tile_lists, stride_list_kind, stride_list_tile, stride_list_head, units):
+    """Unit u's scalars, its loads issued together (a unit's are loaded during the one before): its
+    item's query tile, head and lists, the tiles it takes (`_work`), its part's slot, its item's
+    first slot and parts (`Walk`), and its sequence's first query token, context and length."""
+    i_b, i_qt, i_h, p_full, p_partial, n_full, begin, end = _work(
+        u, tile_lists, stride_list_kind, stride_list_tile, stride_list_head, units
+    )
+    p_unit = units + u * ROW_FIELDS_C
+    split = (gl.load(p_unit + 6), gl.load(p_unit + 7), gl.load(p_unit + 8))
+    q_begin = gl.load(p_unit + 9)
+    context = gl.load(p_unit + 10)
+    seq_len = gl.load(p_unit + 11)
+    return i_qt, i_h, p_full, p_partial, n_full, begin, end, split, q_begin, context, seq_len
 
 
 @gluon.jit
@@ -570,17 +714,18 @@ def _query_rows(
 @gluon.jit
 def _consumer(
     q, out, lse, k_smem, v_smem, q_smem, v_own_smem, ready, empty, stride_qt, stride_qh, qk_scale,
-    seq_lens, query_start_loc, tiles, tile_lists, block_mask, stride_list_kind, stride_list_tile,
-    stride_list_head, stride_mask_head, num_blocks, sparse_block, num_tiles, num_heads, walk, timeline,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, LAYOUT_MASK: gl.constexpr, CONSUMER: gl.constexpr,
-    BALANCED: gl.constexpr, TIMELINE: gl.constexpr, V_CHECK_AFTER: gl.constexpr,
+    tile_lists, block_mask, stride_list_kind, stride_list_tile, stride_list_head, stride_mask_head,
+    num_blocks, sparse_block, num_heads, walk, split_state, split_done, timeline, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, LAYOUT_MASK: gl.constexpr, CONSUMER: gl.constexpr, SPLIT: gl.constexpr,
+    TIMELINE: gl.constexpr, V_CHECK_AFTER: gl.constexpr,
 ):  # fmt: skip
-    """Rows CONSUMER * ROWS .. + ROWS - 1 of each of the program's query tiles: the walk over the
-    shared ring (the full tiles unmasked, then the partial ones as their entries' modes say), then
-    the outputs. With TIMELINE, an item's stamps: its start on both clocks, the cycle counter after its
-    full tiles, after its partial tiles and once its stores are issued, the nanosecond timer then,
-    its lists' lengths, then the cycle counter after each of its first PARTIAL_STAMPS partial tiles
-    and those tiles' modes."""
+    """Rows CONSUMER * ROWS .. + ROWS - 1 of each of the program's units: the walk over the shared ring
+    (the full tiles unmasked, then the partial ones as their entries' modes say), then the outputs, or
+    for a part of a split item its softmax state, merged by the last part to end (`_merge`). With
+    TIMELINE, a unit's stamps: its start on both clocks, the cycle counter after its full tiles,
+    after its partial tiles and once its stores are issued, the nanosecond timer then, its tiles'
+    counts, then the cycle counter after each of its first PARTIAL_STAMPS partial tiles and those
+    tiles' modes."""
     ROWS: gl.constexpr = q_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
     NUM_WARPS: gl.constexpr = gl.num_warps()
@@ -593,32 +738,31 @@ def _consumer(
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     row_io: gl.constexpr = gl.SliceLayout(1, io_layout)
     col_io: gl.constexpr = gl.SliceLayout(0, io_layout)
+    u_begin, u_end, units = _units(walk)
     # What `_item` reads: the walk's tiles and lists, and the sequences' lengths and query starts.
-    item_args = (tiles, tile_lists, stride_list_kind, stride_list_tile, stride_list_head, seq_lens)
-    item_args += (query_start_loc, walk, BALANCED)
-    num_items = num_tiles * num_heads
+    item_args = (tile_lists, stride_list_kind, stride_list_tile, stride_list_head, units)
     q_buf = q_smem.index(CONSUMER)
     v_own = v_own_smem.index(CONSUMER)
     o_d_io = gl.arange(0, HEAD_DIM, layout=col_io)
 
-    # The first item and its Q [ROWS, HEAD_DIM] (rows outside the queries zero); each item loads the
+    # The first unit and its Q [ROWS, HEAD_DIM] (rows outside the queries zero); each unit loads the
     # next one's scalars and Q during its epilogue.
-    i_qt, i_h, p_full, p_partial, n_full, count, q_begin, context, seq_len = _item(
-        gl.program_id(0), num_tiles, *item_args
-    )
+    item = _item(gl.minimum(u_begin, u_end - 1), *item_args)
+    i_qt, i_h, p_full, p_partial, n_full, begin, end, split, q_begin, context, seq_len = item
     _, m_m_io, o_tok_io = _query_rows(i_qt, q_begin, context, seq_len, CONSUMER, ROWS, row_io)
     p_q = q + o_tok_io[:, None] * stride_qt + i_h * stride_qh + o_d_io[None, :]
     b_q = gl.load(p_q, mask=m_m_io[:, None], other=0.0)
     k = 0
-    rounds = (num_items + gl.num_programs(0) - 1) // gl.num_programs(0)
-    p_stamp = timeline + (gl.program_id(0) * 2 + CONSUMER).to(gl.int64) * rounds * TIMELINE_FIELDS_C
-    for w in range(gl.program_id(0), num_items, gl.num_programs(0)):
+    for u in range(u_begin, u_end):
+        p_stamp = timeline + (u * 2 + CONSUMER).to(gl.int64) * TIMELINE_FIELDS_C
+        f_begin, f_end = gl.minimum(begin, n_full), gl.minimum(end, n_full)
+        t_begin, t_end = gl.maximum(begin, n_full) - n_full, gl.maximum(end, n_full) - n_full
         if TIMELINE:
-            _stamp(p_stamp, w, True)
-            _stamp(p_stamp + 1, w)
-            gl.store(p_stamp + 6, n_full.to(gl.int64))
-            gl.store(p_stamp + 7, count.to(gl.int64))
-        # Every warp of the group is past the previous item's last product (a wait covers the group).
+            _stamp(p_stamp, u, True)
+            _stamp(p_stamp + 1, u)
+            gl.store(p_stamp + 6, (f_end - f_begin).to(gl.int64))
+            gl.store(p_stamp + 7, (end - begin).to(gl.int64))
+        # Every warp of the group is past the previous unit's last product (a wait covers the group).
         q_buf.store(b_q)
         fence_async_shared()
         gl.thread_barrier()
@@ -631,66 +775,80 @@ def _consumer(
         b_m = gl.full([ROWS], FINITE_MIN, gl.float32, row_s)
         b_l = gl.zeros([ROWS], gl.float32, row_s)
         # A full tile is seen by every row.
-        b_seen = gl.zeros([ROWS], gl.int32, row_s) + (n_full > 0).to(gl.int32)
+        b_seen = gl.zeros([ROWS], gl.int32, row_s) + (f_end > f_begin).to(gl.int32)
         b_acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
-        num_pairs = n_full // 2  # then one more tile when n_full is odd
+        num_pairs = (f_end - f_begin) // 2  # then one more tile when their count is odd
         b_m, b_l, b_acc = _attend_pairs(
             b_m, b_l, b_acc, k, num_pairs, q_op, k_smem, v_smem, ready, empty, qk_scale, BLOCK_N, STAGES
         )
-        for t in range(2 * num_pairs, n_full):
+        for t in range(f_begin + 2 * num_pairs, f_end):
             b_m, b_l, b_seen, b_acc = _attend_tile(
-                b_m, b_l, b_seen, b_acc, k + t, gl.load(p_full + 1 + t) * BLOCK_N, q_op, k_smem, v_smem,
-                v_own, ready, empty, o_m, m_m, p_mask_row, False, seq_len, sparse_block, qk_scale, BLOCK_N,
-                STAGES, LAYOUT_MASK, False,
+                b_m, b_l, b_seen, b_acc, k + t - f_begin, gl.load(p_full + 1 + t) * BLOCK_N, q_op, k_smem,
+                v_smem, v_own, ready, empty, o_m, m_m, p_mask_row, False, seq_len, sparse_block, qk_scale,
+                BLOCK_N, STAGES, LAYOUT_MASK, False,
             )  # fmt: skip
-        k += n_full
+        k += f_end - f_begin
         if TIMELINE:
             _stamp(p_stamp + 2, k)
         # A tile partial for the 128-row query tile is often none of this group's business, or whole
         # for it (the local window's edge blocks, the diagonal's halves), or masked by causality alone
         # (the diagonal): those read no layout mask. Their scores read Q from shared memory: the
         # registers go to the masks and V's copy.
-        n_partial = count - n_full
-        for t in range(n_partial):
+        for t in range(t_begin, t_end):
             entry = gl.load(p_partial + 1 + t)
             n = (entry & TILE_MASK) * BLOCK_N
             mode = (entry >> (TILE_BITS + 2 * CONSUMER)) & 3
+            i = k + t - t_begin
             if mode == SKIP:
-                slot = (k + t) % STAGES
-                mbarrier.wait(ready.index(slot), ((k + t) // STAGES) & 1)  # the copy lands before reuse
+                slot = i % STAGES
+                mbarrier.wait(ready.index(slot), (i // STAGES) & 1)  # the copy lands before reuse
                 async_copy.mbarrier_arrive(empty.index(slot), increment_count=False)
             elif mode == WHOLE:
                 b_m, b_l, b_seen, b_acc = _attend_tile(
-                    b_m, b_l, b_seen, b_acc, k + t, n, q_buf, k_smem, v_smem, v_own, ready, empty, o_m,
-                    m_m, p_mask_row, False, seq_len, sparse_block, qk_scale, BLOCK_N, STAGES, LAYOUT_MASK,
-                    False,
+                    b_m, b_l, b_seen, b_acc, i, n, q_buf, k_smem, v_smem, v_own, ready, empty, o_m, m_m,
+                    p_mask_row, False, seq_len, sparse_block, qk_scale, BLOCK_N, STAGES, LAYOUT_MASK, False,
                 )  # fmt: skip
             else:  # one copy for both masked modes: with two, 8k with 832 queries ran 2-3% slower (§22)
                 b_m, b_l, b_seen, b_acc = _attend_tile(
-                    b_m, b_l, b_seen, b_acc, k + t, n, q_buf, k_smem, v_smem, v_own, ready, empty, o_m,
-                    m_m, p_mask_row, mode != CAUSAL, seq_len, sparse_block, qk_scale, BLOCK_N, STAGES,
+                    b_m, b_l, b_seen, b_acc, i, n, q_buf, k_smem, v_smem, v_own, ready, empty, o_m, m_m,
+                    p_mask_row, mode != CAUSAL, seq_len, sparse_block, qk_scale, BLOCK_N, STAGES,
                     LAYOUT_MASK, True, V_CHECK_AFTER,
                 )  # fmt: skip
             if TIMELINE:  # noqa: SIM102 (a compile-time if around a runtime one)
-                if t < PARTIAL_STAMPS_C:
-                    _stamp(p_stamp + ITEM_FIELDS_C + t, k + t)
-                    gl.store(p_stamp + ITEM_FIELDS_C + PARTIAL_STAMPS_C + t, mode.to(gl.int64))
-        k += n_partial
+                if t - t_begin < PARTIAL_STAMPS_C:
+                    _stamp(p_stamp + ITEM_FIELDS_C + t - t_begin, i)
+                    gl.store(p_stamp + ITEM_FIELDS_C + PARTIAL_STAMPS_C + t - t_begin, mode.to(gl.int64))
+        k += t_end - t_begin
         if TIMELINE:
             _stamp(p_stamp + 3, k)
 
-        # The next item's scalars and Q, loading during this one's epilogue.
-        w_next = w + gl.num_programs(0)
-        item = _item(gl.minimum(w_next, num_items - 1), num_tiles, *item_args)
-        n_qt, n_h, _, _, _, _, n_q_begin, n_context, n_seq_len = item
+        # The next unit's scalars and Q, loading during this one's epilogue.
+        u_next = u + 1
+        item = _item(gl.minimum(u_next, u_end - 1), *item_args)
+        n_qt, n_h, _, _, _, _, _, _, n_q_begin, n_context, n_seq_len = item
         _, m_next, tok_next = _query_rows(n_qt, n_q_begin, n_context, n_seq_len, CONSUMER, ROWS, row_io)
         p_q = q + tok_next[:, None] * stride_qt + n_h * stride_qh + o_d_io[None, :]
-        b_q = gl.load(p_q, mask=(m_next & (w_next < num_items))[:, None], other=0.0)
+        b_q = gl.load(p_q, mask=(m_next & (u_next < u_end))[:, None], other=0.0)
 
-        # finalize (kernels/_common.py): the NaN rule, rows with no key.
         b_l = gl.convert_layout(b_l, row_o)
         b_m = gl.convert_layout(b_m, row_o)
-        seen = gl.convert_layout(b_seen, row_o) != 0
+        b_seen = gl.convert_layout(b_seen, row_o)
+        # A part of a split item leaves its state at its slot; the last part to end takes all of them.
+        part_slot, first_slot, parts = split
+        last = part_slot < 0
+        if SPLIT and part_slot >= 0:  # noqa: SIM102 (a compile-time if around a runtime one)
+            _put_state(split_state, part_slot, CONSUMER, b_m, b_l, b_seen, b_acc)
+            gl.thread_barrier()  # every thread's stores, before the count says they are there
+            p_done = split_done + 2 * first_slot + CONSUMER
+            last = gl.atomic_add(p_done, 1, sem="acq_rel", scope="gpu") == parts - 1
+            if last:
+                gl.store(p_done, 0)  # for the next launch
+                b_m, b_l, b_seen, b_acc = _merge(
+                    split_state, first_slot, parts, qk_scale, CONSUMER, ROWS, HEAD_DIM, o_layout
+                )
+
+        # finalize (kernels/_common.py): the NaN rule, rows with no key.
+        seen = b_seen != 0
         # A row's sum of zeros is NaN when its accumulator holds NaN or Inf; a row with no key has an
         # accumulator of zeros, which its factor 0 keeps. One product an element, where a division
         # and two selects cost 11% of the time at 8k with 832 queries (reports/gpu/kernel-ab.md §13).
@@ -702,6 +860,7 @@ def _consumer(
         b_lse = gl.where(m_bad, float("nan"), b_lse)
 
         _, m_m_io, o_tok_io = _query_rows(i_qt, q_begin, context, seq_len, CONSUMER, ROWS, row_io)
+        m_m_io = m_m_io & last
         b_out = gl.convert_layout(b_out.to(dtype), io_layout)
         o_out = o_tok_io[:, None] * num_heads + i_h
         gl.store(out + o_out * HEAD_DIM + o_d_io[None, :], b_out, mask=m_m_io[:, None])
@@ -709,8 +868,65 @@ def _consumer(
         if TIMELINE:
             _stamp(p_stamp + 4, k)
             _stamp(p_stamp + 5, k, True)
-            p_stamp += TIMELINE_FIELDS_C
-        i_qt, i_h, p_full, p_partial, n_full, count, q_begin, context, seq_len = item
+        i_qt, i_h, p_full, p_partial, n_full, begin, end, split, q_begin, context, seq_len = item
+
+
+@gluon.jit
+def _state_ptrs(
+    split_state,
+    slot,
+    CONSUMER: gl.constexpr,
+    ROWS: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    o_layout: gl.constexpr,
+):
+    """Where slot's softmax state for the consumer's rows lies (a record of ROWS * (HEAD_DIM + 3)
+    float32s): its accumulator [ROWS, HEAD_DIM] in o_layout, then its rows' maxima, sums and seen
+    flags [ROWS] each."""
+    o_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+    o_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    p_rec = split_state + (slot * 2 + CONSUMER).to(gl.int64) * (ROWS * (HEAD_DIM + 3))
+    p_rows = p_rec + ROWS * HEAD_DIM + o_r
+    return p_rec + o_r[:, None] * HEAD_DIM + o_d[None, :], p_rows, p_rows + ROWS, p_rows + 2 * ROWS
+
+
+@gluon.jit
+def _put_state(split_state, slot, CONSUMER: gl.constexpr, b_m, b_l, b_seen, b_acc):
+    """A part's softmax state (rows' maxima, sums and seen flags [ROWS], accumulator [ROWS,
+    HEAD_DIM]) to its slot."""
+    ROWS: gl.constexpr = b_acc.type.shape[0]
+    HEAD_DIM: gl.constexpr = b_acc.type.shape[1]
+    o_layout: gl.constexpr = b_acc.type.layout
+    p_acc, p_m, p_l, p_seen = _state_ptrs(split_state, slot, CONSUMER, ROWS, HEAD_DIM, o_layout)
+    gl.store(p_acc, b_acc)
+    gl.store(p_m, b_m)
+    gl.store(p_l, b_l)
+    gl.store(p_seen, b_seen.to(gl.float32))
+
+
+@gluon.jit
+def _merge(
+    split_state, first_slot, parts, qk_scale, CONSUMER: gl.constexpr, ROWS: gl.constexpr,
+    HEAD_DIM: gl.constexpr, o_layout: gl.constexpr,
+):  # fmt: skip
+    """A split item's softmax state from its parts' (slots first_slot .. + parts - 1, in that order,
+    so the result does not depend on which part ended last), as `attend` merges tiles."""
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    b_m = gl.full([ROWS], FINITE_MIN, gl.float32, row_o)
+    b_l = gl.zeros([ROWS], gl.float32, row_o)
+    b_seen = gl.zeros([ROWS], gl.int32, row_o)
+    b_acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+    for j in range(parts):
+        p_acc, p_m, p_l, p_seen = _state_ptrs(split_state, first_slot + j, CONSUMER, ROWS, HEAD_DIM, o_layout)
+        b_m_part = gl.load(p_m)
+        b_m_new = gl.maximum(b_m, b_m_part)
+        b_alpha = gl.exp2((b_m - b_m_new) * qk_scale)
+        b_beta = gl.exp2((b_m_part - b_m_new) * qk_scale)
+        b_l = b_l * b_alpha + gl.load(p_l) * b_beta
+        b_acc = b_acc * b_alpha[:, None] + gl.load(p_acc) * b_beta[:, None]
+        b_seen = gl.maximum(b_seen, gl.load(p_seen).to(gl.int32))
+        b_m = b_m_new
+    return b_m, b_l, b_seen, b_acc
 
 
 # Persistent: a program an SM (the grid's size), work items in the walk order of `_work`.
@@ -725,9 +941,6 @@ def hopper_prefill_kernel(
     stride_qh,
     qk_scale,
     block_tables,
-    seq_lens,
-    query_start_loc,
-    tiles,
     tile_lists,
     block_mask,
     stride_bt,
@@ -740,9 +953,10 @@ def hopper_prefill_kernel(
     page_size,
     group,
     cache_rows,
-    num_tiles,
     num_heads,
     walk,
+    split_state,
+    split_done,
     timeline,
     HEAD_DIM: gl.constexpr,
     BLOCK_M: gl.constexpr,
@@ -751,7 +965,7 @@ def hopper_prefill_kernel(
     STAGES: gl.constexpr,
     LAYOUT_MASK: gl.constexpr,
     DEVICE_DESCRIPTORS: gl.constexpr,
-    BALANCED: gl.constexpr,
+    SPLIT: gl.constexpr,
     TIMELINE: gl.constexpr,
     V_CHECK_AFTER: gl.constexpr,
     CONSUMER_REGISTERS: gl.constexpr,
@@ -780,29 +994,26 @@ def hopper_prefill_kernel(
                 _consumer,
                 (
                     q, out, lse, k_smem, v_smem, q_smem, v_own_smem, ready, empty, stride_qt, stride_qh,
-                    qk_scale, seq_lens, query_start_loc, tiles, tile_lists, block_mask, stride_list_kind,
-                    stride_list_tile, stride_list_head, stride_mask_head, num_blocks, sparse_block,
-                    num_tiles, num_heads, walk, timeline, BLOCK_N, STAGES, LAYOUT_MASK, 0, BALANCED, TIMELINE,
-                    V_CHECK_AFTER,
+                    qk_scale, tile_lists, block_mask, stride_list_kind, stride_list_tile, stride_list_head,
+                    stride_mask_head, num_blocks, sparse_block, num_heads, walk, split_state, split_done,
+                    timeline, BLOCK_N, STAGES, LAYOUT_MASK, 0, SPLIT, TIMELINE, V_CHECK_AFTER,
                 ),
             ),
             (
                 _consumer,
                 (
                     q, out, lse, k_smem, v_smem, q_smem, v_own_smem, ready, empty, stride_qt, stride_qh,
-                    qk_scale, seq_lens, query_start_loc, tiles, tile_lists, block_mask, stride_list_kind,
-                    stride_list_tile, stride_list_head, stride_mask_head, num_blocks, sparse_block,
-                    num_tiles, num_heads, walk, timeline, BLOCK_N, STAGES, LAYOUT_MASK, 1, BALANCED, TIMELINE,
-                    V_CHECK_AFTER,
+                    qk_scale, tile_lists, block_mask, stride_list_kind, stride_list_tile, stride_list_head,
+                    stride_mask_head, num_blocks, sparse_block, num_heads, walk, split_state, split_done,
+                    timeline, BLOCK_N, STAGES, LAYOUT_MASK, 1, SPLIT, TIMELINE, V_CHECK_AFTER,
                 ),
             ),
             (
                 _producer,
                 (
-                    k_cache, v_cache, k_smem, v_smem, ready, empty, block_tables, seq_lens, tiles, tile_lists,
-                    stride_bt, stride_list_kind, stride_list_tile, stride_list_head, page_size, group,
-                    cache_rows, num_tiles, num_heads, walk, HEAD_DIM, BLOCK_N, PAGE_ROWS, STAGES,
-                    DEVICE_DESCRIPTORS, BALANCED,
+                    k_cache, v_cache, k_smem, v_smem, ready, empty, block_tables, tile_lists, stride_bt,
+                    stride_list_kind, stride_list_tile, stride_list_head, page_size, group, cache_rows,
+                    num_heads, walk, HEAD_DIM, BLOCK_N, PAGE_ROWS, STAGES, DEVICE_DESCRIPTORS,
                 ),
             ),
         ],

@@ -214,22 +214,25 @@ class PrefillPlan:
             num_warps, num_stages = hopper_prefill.FALLBACK_WARPS, 2
         tiles = _query_tiles(batch, block_m)
         self.grid = (len(tiles), batch.num_heads)
-        self.hopper = None
+        self.hopper = self.walk = None
         if not tiles:
             return
         lists = tile_lists.tile_lists(
             layout, batch.num_heads, max(batch.seq_lens), block_m, block_n, 1, device, halves=hopper
         )
         # [num_tiles, 2]: (sequence, absolute query tile) of each program, then the Hopper path's walk
-        # order when it balances its programs: one host-to-device copy.
+        # (`hopper_prefill.Walk`): one host-to-device copy.
         host = torch.tensor(tiles, dtype=torch.int32).view(-1)
-        balanced = hopper and hopper_prefill.BALANCED_WALK
-        if balanced:
-            programs = hopper_prefill.num_programs(self.grid, device)
-            rounds = hopper_prefill.BALANCED_ROUNDS
-            host = torch.cat(
-                [host, hopper_prefill.walk_order(lists.counts, tiles, batch.num_heads, programs, rounds)]
+        if hopper:
+            self.walk = hopper_prefill.plan_walk(
+                lists.counts,
+                tiles,
+                batch.num_heads,
+                hopper_prefill.num_programs(self.grid, device),
+                hopper_prefill.BALANCED_ROUNDS if hopper_prefill.BALANCED_WALK else 0,
+                hopper_prefill.SPLIT_LAST,
             )
+            host = torch.cat([host, self.walk.flat(lists.counts, tiles, batch.seq_lens, batch.query_starts)])
         if device.type == "cuda":
             host = host.pin_memory()
         # The kernel reads the block table as contiguous rows (a no-op when it already is).
@@ -258,7 +261,7 @@ class PrefillPlan:
         )
         if hopper:
             self.descriptors = hopper_prefill.CacheDescriptors(k_cache)
-            self.hopper = hopper_prefill.launch(self.grid, device, planned, self.descriptors, balanced)
+            self.hopper = hopper_prefill.launch(self.grid, device, planned, self.descriptors, self.walk)
 
     def run(self, q, k_cache, v_cache):
         """out [num_tokens, num_heads, head_dim] in q's dtype; with return_lse also lse float32."""

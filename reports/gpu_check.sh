@@ -21,8 +21,9 @@
 #                                             deliberately broken (keyed without pointer alignment):
 #                                             its test must fail
 #   bash reports/gpu_check.sh OUT_DIR hopper   the Hopper path's tests (tests/kernels/test_hopper_prefill.py),
-#                                             once more with each of nine parts broken (each must
-#                                             fail), its same-process A/B against the Triton kernel
+#                                             once more with each of eleven parts broken (each must
+#                                             fail; HOPPER_BREAKS="NAME ...": those only, as 11 at
+#                                             once outrun the tests' cap), its same-process A/B against the Triton kernel
 #                                             (reports/hopper_ab.py; HOPPER_AB_ARGS="--variants
 #                                             --previous .ab" adds its variants and the previous
 #                                             commit's, carry .ab; "--vllm .vllm" vLLM's kernel, carry
@@ -104,6 +105,8 @@ case $part in
     # - check-after: V_CHECK_AFTER never finds its product non-finite (its non-finite V cases).
     names=()
     while IFS='|' read -r name edit left tests; do
+      # HOPPER_BREAKS: only the breaks it names (default: every one)
+      [ -n "${HOPPER_BREAKS:-}" ] && [[ " $HOPPER_BREAKS " != *" $name "* ]] && continue
       names+=("$name")
       broken=/tmp/broken-hopper-$name
       rm -rf "$broken" && mkdir -p "$broken" && tar --exclude=./.ab -cf - . | tar -xf - -C "$broken"
@@ -118,7 +121,9 @@ layout|s/mode != CAUSAL, seq_len/mode == CAUSAL, seq_len/|mode == CAUSAL, seq_le
 descriptor|s/shape = \[cache_rows, width\]/shape = [cache_rows - page_size, width]/|shape = [cache_rows - page_size, width]|not v_cache and not k_cache
 pairs|s/warpgroup_mma(b_x1, v_smem.index(slot1)/warpgroup_mma(b_x1, v_smem.index(slot0)/|warpgroup_mma(b_x1, v_smem.index(slot0)|phi3-ctx0 or dense-P256 or rows
 epilogue|s/gl.sum(b_acc \* 0.0, 1) != 0.0/gl.sum(b_acc * 0.0, 1) > 0.0/|gl.sum(b_acc * 0.0, 1) > 0.0|v_cache
-walk|s/taken\[r, takers\] = items/taken[r, takers] = items[0]/|taken[r, takers] = items[0]|balanced
+walk|s/taken\[r, takers\] = items/taken[r, takers] = items[0]/|taken[r, takers] = items[0]|walks
+split-merge|s/gl.load(p_l) \* b_beta/gl.load(p_l) * b_alpha/|gl.load(p_l) * b_alpha|split
+split-reset|s/gl.store(p_done, 0)  # for the next launch/pass  # no reset/|pass  # no reset|split
 check-after|s/gl.sum(b_pv \* 0.0, 1) != 0.0/gl.sum(b_pv * 0.0, 1) > 0.0/|gl.sum(b_pv * 0.0, 1) > 0.0|v_check_after
 BREAKS
     wait

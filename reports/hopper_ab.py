@@ -52,10 +52,12 @@ PATHS = [
     ("hopper", "kernels", True, {}),
     ("triton", "kernels", False, {}),
 ]
-# --variants: the kernel walking head-major in every round, with every round dealt by cost (the walk is
-# dealt in its last round by default), and with host-made TMA descriptors (the previous launch)
+# --variants: the kernel walking head-major in every round, with its last round split where the cost
+# model says it pays, with every round dealt by cost, checking V after a masked tile's product, and
+# with host-made TMA descriptors (the previous launch)
 VARIANTS = [
     ("head_major", "kernels", True, {"BALANCED_WALK": False}),
+    ("split", "kernels", True, {"SPLIT_LAST": True}),
     ("balanced_all", "kernels", True, {"BALANCED_ROUNDS": 10**6}),
     ("v_check_after", "kernels", True, {"V_CHECK_AFTER": True}),
     ("host_descriptors", "kernels", True, {"DEVICE_DESCRIPTORS": False}),

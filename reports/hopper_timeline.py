@@ -1,13 +1,14 @@
 """Where a Hopper prefill's time goes, item by item (GPU only): the kernel's diagnostic timeline
 (`kernels.hopper_prefill.TIMELINE`), summarized.
 
-Each consumer stamps each (query tile, head) item it takes with the SM's cycle counter at its start,
-after its full key tiles, after its partial ones and after its output stores, and with the device's
-nanosecond timer at its start and end; and after each of its first partial tiles, with that tile's
-mode. `summarize` turns that into: the programs' imbalance (how long each one's last item ends before
-the kernel's last), the share of a consumer's time in each phase, the cycles a full and a partial
-key tile cost (a partial one by mode: skipped, taken whole, masked by causality alone, masked by the
-layout too), and the cycles an item spends outside its key tiles.
+Each consumer stamps each unit of its walk it takes (a (query tile, head) item, or a part of a split
+one) with the SM's cycle counter at its start, after its full key tiles, after its partial ones and
+after its output stores, and with the device's nanosecond timer at its start and end; and after each
+of its first partial tiles, with that tile's mode. `summarize` turns that into: the programs'
+imbalance (how long each one's last unit ends before the kernel's last), the share of a consumer's
+time in each phase, the cycles a full and a partial key tile cost (a partial one by mode: skipped,
+taken whole, masked by causality alone, masked by the layout too), and the cycles a unit spends
+outside its key tiles.
 Run through `python3 -m reports.hopper_ab --only timeline` (hopper-ab.json's `timeline` part).
 """
 
@@ -42,11 +43,10 @@ MODES = {  # a stamped tile's mode (kernels/tile_lists.py's HALF_*) -> its name 
 
 def stamps(prefill, p) -> tuple[torch.Tensor, torch.Tensor]:
     """One run of the Hopper path on problem p (a reports.bench_kernels.Prefill) with the timeline on:
-    its stamps, int64 [programs, 2, rounds, TIMELINE_FIELDS] (items a program did not take are all
-    zero), and its output."""
-    grid = prefill.plan_prefill(*p.args(), scale=bk.SCALE, layout=p.layout).grid
-    shape = hopper_prefill.timeline_shape(grid, p.q.device)
-    buffer = torch.zeros(shape, dtype=torch.int64, device=p.q.device)
+    its stamps, int64 [programs, 2, rounds, TIMELINE_FIELDS] (a program's units in its order; rounds
+    it did not take are all zero), and its output."""
+    walk = prefill.plan_prefill(*p.args(), scale=bk.SCALE, layout=p.layout).walk
+    buffer = torch.zeros(hopper_prefill.timeline_shape(walk), dtype=torch.int64, device=p.q.device)
     hopper_prefill.TIMELINE = buffer
     try:
         plan = prefill.plan_prefill(*p.args(), scale=bk.SCALE, layout=p.layout)
@@ -57,7 +57,18 @@ def stamps(prefill, p) -> tuple[torch.Tensor, torch.Tensor]:
     buffer.zero_()
     out = plan.run(p.q, p.k, p.v)
     torch.cuda.synchronize()
-    return buffer.cpu(), out
+    return by_program(buffer.cpu(), walk.offsets), out
+
+
+def by_program(units: torch.Tensor, offsets) -> torch.Tensor:
+    """The stamps of a walk's units [units, 2, fields] as [programs, 2, rounds, fields]: program p's
+    units offsets[p] .. offsets[p + 1] - 1 in order, then zeros."""
+    counts = torch.from_numpy(offsets).diff().long()
+    t = torch.zeros(counts.shape[0], int(counts.max()), *units.shape[1:], dtype=units.dtype)
+    program = torch.repeat_interleave(torch.arange(counts.shape[0]), counts)
+    rank = torch.arange(units.shape[0]) - torch.from_numpy(offsets[:-1]).long()[program]
+    t[program, rank] = units
+    return t.transpose(1, 2)
 
 
 def summarize(t: torch.Tensor) -> dict:

@@ -59,6 +59,21 @@ NON_FINITE = [
     ("elements-S16-P32", "v_cache", 590, 1, math.nan),
 ]
 CHECK_AFTER_CASES = ("phi3-ctx4097-q4095-fp16", "elements-S16-P32", "scale-zero", "all-rows-empty")
+# Cases whose plans split items into parts of a tile or more (MIN_SPLIT_TILES = 1): masked layouts,
+# batches, rows with no key, a zero and a saturating scale.
+SPLIT_CASES = {
+    name: CASES[name]
+    for name in (
+        "phi3-ctx4097-q4095-fp16",
+        "elements-S16-P32",
+        "dense-ctx223-q777-P16",
+        "dense-P8-D64-fp16-batch",
+    )
+} | {
+    "scale-zero-long": _case((1500,), (1500,), scale=0.0, layout=LayoutSpec("local_strided", 64, 2, 3)),
+    "rows-empty-long": _case((1500,), (1500,), layout=LayoutSpec("block_mask", 64, density=0.15)),
+    "scale-saturating-long": _case((1200,), (1000,), scale=32.0, input_scale=5.0),
+}
 PARAMS = [pytest.param(name, None, id=name) for name in CASES] + [
     pytest.param(name, poison, id=f"{name}-{poison[0]}-{poison[3]}@{poison[1]}")
     for name, *poison in NON_FINITE
@@ -78,14 +93,47 @@ def test_hopper_prefill(hopper_path, name, poison):
     _judge(name, poison)
 
 
-@pytest.mark.parametrize("rounds", [1, 10**6], ids=["last-round", "every-round"])
-def test_hopper_prefill_balanced_walk(hopper_path, monkeypatch, rounds):
-    """The programs take the items `walk_order` deals them (BALANCED_WALK), in the last round (the
-    default) or in every one: 1024 items on the GPU's programs, each exactly once."""
-    monkeypatch.setattr(hopper_prefill, "BALANCED_WALK", True)
+@pytest.mark.parametrize(
+    ("walk", "rounds", "split"),
+    [
+        ("head-major", 0, False),
+        ("last-round", 1, False),
+        ("every-round", 10**6, False),
+        ("every-round-split", 10**6, True),
+    ],
+)
+def test_hopper_prefill_walks(hopper_path, monkeypatch, walk, rounds, split):
+    """The programs take the units `plan_walk` gives them, in head-major order, with rounds dealt by
+    cost (the last one by default), and with the last round split: 1024 items on the GPU's programs."""
+    monkeypatch.setattr(hopper_prefill, "BALANCED_WALK", rounds > 0)
     monkeypatch.setattr(hopper_prefill, "BALANCED_ROUNDS", rounds)
+    monkeypatch.setattr(hopper_prefill, "SPLIT_LAST", split)
+    monkeypatch.setattr(hopper_prefill, "SPLIT_COST", 0.0)
     plan = _judge("phi3-ctx0-q4096", None)
-    assert plan.hopper.planned["BALANCED"], "the plan did not take the balanced walk"
+    assert (plan.walk.num_slots > 0) == split
+
+
+@pytest.mark.parametrize(
+    ("name", "poison"),
+    [pytest.param(name, None, id=name) for name in SPLIT_CASES]
+    + [param for param in PARAMS if param.values[1] is not None and param.values[0] in SPLIT_CASES],
+)
+def test_hopper_prefill_split_items(hopper_path, monkeypatch, name, poison):
+    """Items split into parts of a tile or more, each part's softmax state merged by the last part to
+    end (`_merge`): against the oracle, and the same bits on a second run (the parts' counts are
+    reset for the next launch)."""
+    monkeypatch.setattr(hopper_prefill, "SPLIT_LAST", True)
+    monkeypatch.setattr(hopper_prefill, "MIN_SPLIT_TILES", 1)
+    monkeypatch.setattr(hopper_prefill, "SPLIT_COST", 0.0)
+    plan = _judge(name, poison, SPLIT_CASES)
+    assert plan.walk.num_slots > 0, "no item was split"
+    inputs = build_inputs(SPLIT_CASES[name], "cuda")
+    q, k_cache, v_cache = (inputs[key] for key in ("q", "k_cache", "v_cache"))
+    again = paged_prefill.plan_prefill(
+        *attention_args(inputs, decode=False), scale=inputs["scale"], layout=inputs["layout"]
+    )
+    first = again.run(q, k_cache, v_cache)
+    assert torch.equal(again.run(q, k_cache, v_cache), first)
 
 
 @pytest.mark.parametrize(
@@ -100,10 +148,10 @@ def test_hopper_prefill_v_check_after(hopper_path, monkeypatch, name, poison):
     assert plan.hopper.planned["V_CHECK_AFTER"], "the plan did not check V after the product"
 
 
-def _judge(name, poison):
+def _judge(name, poison, cases=CASES):
     """The case (its cache poisoned at one element) through the op on the Hopper path, against the
     oracle; returns the case's plan."""
-    case = CASES[name]
+    case = cases[name]
     inputs = build_inputs(case, "cuda")
     if poison is not None:
         cache, token, dim, value = poison
@@ -123,8 +171,9 @@ def _judge(name, poison):
 
 def test_hopper_timeline(hopper_path):
     """The diagnostic timeline (hopper_prefill.TIMELINE, reports/hopper_timeline.py) of a Phi-3 prefill:
-    both consumers take every item once, each item's stamps come in phase order (its partial tiles'
-    too, each with a mode), its list lengths are the plan's, and the output is the same as without it."""
+    both consumers take every unit of the walk once, each unit's stamps come in phase order (its
+    partial tiles' too, each with a mode), its list lengths are the plan's, and the output is the same
+    as without it."""
     from kernels import tile_lists
     from reports import bench_kernels as bk
     from reports import hopper_timeline as ht
@@ -136,7 +185,7 @@ def test_hopper_timeline(hopper_path):
     t, out = ht.stamps(paged_prefill, p)
     assert torch.equal(out, expected)
     taken = t[..., ht.NS_START] > 0
-    assert (taken.sum(dim=(0, 2)) == plan.grid[0] * plan.grid[1]).all()
+    assert (taken.sum(dim=(0, 2)) == plan.walk.units.shape[0]).all()
     order = [ht.START, ht.AFTER_FULL, ht.AFTER_PARTIAL, ht.END]
     assert (t[..., order].diff(dim=-1)[taken] >= 0).all()
     assert (t[..., ht.NS_END] >= t[..., ht.NS_START])[taken].all()

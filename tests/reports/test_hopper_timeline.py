@@ -64,3 +64,14 @@ def test_summary_reads_back_the_phases():
         assert s["partial_modes"][name]["cycles"] == pytest.approx(MODE_CYCLES[mode])
     assert s["partial_modes"]["skip"]["tiles_per_item"] == pytest.approx(2 * 3 / 10)
     assert s["partial_modes"]["masked"]["tiles_per_item"] == pytest.approx(2 * 1 / 10)
+
+
+def test_by_program_lays_each_programs_units_out_in_order():
+    offsets = torch.tensor([0, 3, 3, 5]).numpy()  # program 1 takes nothing
+    units = torch.arange(5 * 2 * 4).view(5, 2, 4)
+    t = ht.by_program(units, offsets)
+    assert t.shape == (3, 2, 3, 4)
+    assert torch.equal(t[0].transpose(0, 1), units[:3])
+    assert (t[1] == 0).all()
+    assert torch.equal(t[2, :, :2].transpose(0, 1), units[3:])
+    assert (t[2, :, 2] == 0).all()

@@ -1,0 +1,170 @@
+"""The Hopper prefill's walk (kernels/hopper_prefill.plan_walk): every tile of every item taken exactly
+once, by units whose split items' slots are their own; the rounds before the dealt ones in head-major
+order; a round dealt whole gives its costliest item to its least-loaded program; a split last round
+evens the programs' ends. It is a schedule, so the kernel's outputs do not depend on it: the GPU tests
+of tests/kernels/test_hopper_prefill.py judge those against the oracle, on walks with split items."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kernels import hopper_prefill
+from kernels.hopper_prefill import ITEM_COST, MIN_SPLIT_TILES, PARTIAL_COST, SPLIT_COST, plan_walk
+from tests.budgets import examples
+
+pytestmark = [pytest.mark.ours, pytest.mark.operator("paged_prefill")]
+
+
+@st.composite
+def problems(draw):
+    """(counts, query tiles, heads, programs) of a plan: list counts [2, tiles, 1 or heads]."""
+    num_abs = draw(st.integers(1, 12))  # absolute query tiles the lists cover
+    heads = draw(st.integers(1, 6))
+    lists = 1 if draw(st.booleans()) else heads  # one list for every head, or one a head
+    size = 2 * num_abs * lists
+    counts = draw(st.lists(st.integers(0, 30), min_size=size, max_size=size))
+    query_tiles = draw(
+        st.lists(st.tuples(st.integers(0, 3), st.integers(0, num_abs - 1)), min_size=1, max_size=20)
+    )
+    programs = min(draw(st.integers(1, 40)), len(query_tiles) * heads)  # the launch's grid
+    return torch.tensor(counts, dtype=torch.int32).view(2, num_abs, lists), query_tiles, heads, programs
+
+
+def item_lists(counts, query_tiles, heads) -> np.ndarray:
+    """[items, 2]: each item's full and partial counts, item w being head w // T, query tile
+    T - 1 - w % T (the kernel's `_work`)."""
+    tiles = len(query_tiles)
+    out = np.zeros((tiles * heads, 2), dtype=np.int64)
+    for w in range(out.shape[0]):
+        head, t = w // tiles, query_tiles[tiles - 1 - w % tiles][1]
+        out[w] = counts[:, t, min(head, counts.shape[2] - 1)].numpy()
+    return out
+
+
+def unit_cost(lists, unit) -> float:
+    w, begin, end = unit[:3]
+    fulls = min(end, lists[w, 0]) - min(begin, lists[w, 0])
+    return ITEM_COST + fulls + PARTIAL_COST * (end - begin - fulls)
+
+
+def program_units(walk):
+    return [walk.units[walk.offsets[p] : walk.offsets[p + 1]] for p in range(walk.offsets.shape[0] - 1)]
+
+
+def check_cover(walk, lists):
+    """Every item's tiles exactly once, in order, by one whole unit or by parts of at least
+    MIN_SPLIT_TILES tiles on their own slots, each split item's slots consecutive and its own."""
+    assert walk.units.dtype == np.int32 and walk.offsets[0] == 0 and walk.offsets[-1] == walk.units.shape[0]
+    assert (np.diff(walk.offsets) >= 0).all()
+    slots = []
+    for w in range(lists.shape[0]):
+        mine = walk.units[walk.units[:, 0] == w]
+        mine = mine[np.argsort(mine[:, 1], kind="stable")]
+        assert mine.shape[0] >= 1
+        assert mine[0, 1] == 0 and mine[-1, 2] == lists[w].sum()
+        assert (mine[1:, 1] == mine[:-1, 2]).all()
+        if mine.shape[0] == 1:
+            assert tuple(mine[0, 3:]) == (-1, 0, 1)
+            continue
+        first, parts = mine[0, 4], mine.shape[0]
+        assert (mine[:, 4] == first).all() and (mine[:, 5] == parts).all()
+        assert sorted(mine[:, 3].tolist()) == list(range(first, first + parts))
+        assert (mine[:, 2] - mine[:, 1] >= MIN_SPLIT_TILES).all()
+        slots += mine[:, 3].tolist()
+    assert sorted(slots) == list(range(walk.num_slots))
+
+
+@examples(6)
+@given(problems(), st.sampled_from([0, 1, 2, 10**6]), st.booleans())
+def test_walk_takes_every_tile_once(problem, dealt_rounds, split):
+    counts, query_tiles, heads, programs = problem
+    walk = plan_walk(counts, query_tiles, heads, programs, dealt_rounds, split)
+    check_cover(walk, item_lists(counts, query_tiles, heads))
+    assert walk.offsets.shape[0] == programs + 1
+
+
+@examples(4)
+@given(problems(), st.sampled_from([0, 1, 3]), st.booleans())
+def test_walk_keeps_the_rounds_before_the_dealt_ones_head_major(problem, dealt_rounds, split):
+    counts, query_tiles, heads, programs = problem
+    walk = plan_walk(counts, query_tiles, heads, programs, dealt_rounds, split)
+    rounds = -(-len(query_tiles) * heads // programs)
+    fixed = max(rounds - max(dealt_rounds, int(split)), 0)
+    num_items = len(query_tiles) * heads
+    for p, units in enumerate(program_units(walk)):
+        head_major = [p + r * programs for r in range(fixed) if p + r * programs < num_items]
+        assert units[: len(head_major), 0].tolist() == head_major
+        assert (units[: len(head_major), 3] == -1).all()
+
+
+@examples(4)
+@given(problems())
+def test_walk_dealt_whole_gives_each_rounds_costliest_item_to_its_least_loaded_program(problem):
+    counts, query_tiles, heads, programs = problem
+    lists = item_lists(counts, query_tiles, heads)
+    walk = plan_walk(counts, query_tiles, heads, programs, 10**6, False)
+    loads = np.zeros(programs)
+    units = program_units(walk)
+    for r in range(max(map(len, units))):
+        taking = [p for p in range(programs) if len(units[p]) > r]
+        cost = {p: unit_cost(lists, units[p][r]) for p in taking}
+        # No program that takes a cheaper item this round was loaded less than one taking a costlier one.
+        for p in taking:
+            for q in taking:
+                if cost[p] > cost[q] + 1e-9:
+                    assert loads[p] <= loads[q] + 1e-9  # sums in another order
+        assert len(taking) == programs or r == max(map(len, units)) - 1
+        for p in taking:
+            loads[p] += cost[p]
+
+
+@examples(6)
+@given(problems(), st.sampled_from([0.0, SPLIT_COST]))
+def test_walk_split_in_its_last_round_ends_no_later_and_evens_the_ends(monkeypatch, problem, split_cost):
+    """Split, the last round's programs end no later (by the cost model, a part costing SPLIT_COST
+    more) than dealt whole; and each program ends at most a short part (under two MIN_SPLIT_TILES of
+    partial tiles and two set-ups) past the mean end, or where the rounds before the last left it."""
+    monkeypatch.setattr(hopper_prefill, "SPLIT_COST", split_cost)
+    counts, query_tiles, heads, programs = problem
+    lists = item_lists(counts, query_tiles, heads)
+    rounds = -(-len(query_tiles) * heads // programs)
+
+    def loads(walk):
+        out, before = np.zeros(programs), np.zeros(programs)
+        for p, units in enumerate(program_units(walk)):
+            out[p] = sum(unit_cost(lists, u) + (split_cost if u[3] >= 0 else 0) for u in units)
+            before[p] = sum(unit_cost(lists, u) for u in units[: rounds - 1])
+        return out, before
+
+    walk = plan_walk(counts, query_tiles, heads, programs, 1, True)
+    split, before = loads(walk)
+    whole, _ = loads(plan_walk(counts, query_tiles, heads, programs, 1, False))
+    assert split.max() <= whole.max() + 1e-9
+    if walk.num_slots:
+        slack = 2 * MIN_SPLIT_TILES * PARTIAL_COST + 2 * ITEM_COST + 2 * split_cost
+        assert split.max() <= max(before.max(), split.mean() + slack) + 1e-9
+
+
+@examples(2)
+@given(problems(), st.booleans())
+def test_walk_rows_are_each_units_item_and_metadata(problem, split):
+    """`Walk.flat`: each unit's row as the kernel reads it, against its item's lists and sequence."""
+    counts, query_tiles, heads, programs = problem
+    walk = plan_walk(counts, query_tiles, heads, programs, 1, split)
+    seqs = max(b for b, _ in query_tiles) + 1
+    seq_lens = [1000 + 7 * b for b in range(seqs)]
+    starts = np.cumsum([0] + [100 + b for b in range(seqs)]).tolist()
+    flat = walk.flat(counts, query_tiles, seq_lens, starts).numpy()
+    assert (flat[: programs + 1] == walk.offsets).all()
+    rows = flat[programs + 1 :].reshape(-1, hopper_prefill.ROW_FIELDS)
+    tiles = len(query_tiles)
+    for row, unit in zip(rows, walk.units, strict=True):
+        w = unit[0]
+        seq, qtile = query_tiles[tiles - 1 - w % tiles]
+        head = w // tiles
+        query_len = starts[seq + 1] - starts[seq]
+        expected = [seq, qtile, head, counts[0, qtile, min(head, counts.shape[2] - 1)].item()]
+        expected += unit[1:].tolist() + [starts[seq], seq_lens[seq] - query_len, seq_lens[seq]]
+        assert row.tolist() == expected
