@@ -217,7 +217,7 @@ def plan_walk(
         before = loads.copy()
         np.subtract.at(before, np.nonzero(taken[-1] >= 0)[0], cost[items])
         split_units, num_slots, split_loads = _deal_split(
-            items[np.argsort(-cost[items], kind="stable")], full, partial, before
+            items[np.argsort(-cost[items], kind="stable")], cost, full, partial, before
         )
         if split_loads.max() < loads.max():
             taken[-1] = -1
@@ -234,17 +234,18 @@ def plan_walk(
     return Walk(offsets, units[order], num_slots)
 
 
-def _deal_split(items, full, partial, loads) -> tuple:
+def _deal_split(items, cost, full, partial, loads) -> tuple:
     """`plan_walk`'s last round: the items, in this order, as one stream of tiles that the programs
     (least-loaded first) take in turn, each up to a common end; an item that would take a program past
     it is split there (parts of at least MIN_SPLIT_TILES tiles). The end starts at the programs' mean
     and rises until the stream fits, since each part adds a unit's set-up and SPLIT_COST. Returns the
-    (program, unit) pairs, the slots the split items take and the programs' loads then."""
+    (program, unit) pairs, the slots the split items take and the programs' loads then. `cost`: each
+    item's whole cost, `full` and `partial` its lists' counts (all items, by `_work`'s numbering)."""
+    cost = cost[items]
     full, partial = full[items].tolist(), partial[items].tolist()
     order = np.argsort(loads, kind="stable").tolist()
     sorted_loads = loads[order].tolist()
-    whole = [_cost(f, 0, f + p) + ITEM_COST for f, p in zip(full, partial, strict=True)]
-    end = (sum(sorted_loads) + sum(whole)) / len(order)
+    end = (loads.sum() + cost.sum()) / len(order)
     for _ in range(8):  # the end's rises: it fits in 2 or 3 at issue 16's rows
         units, left = _fill(full, partial, sorted_loads, end)
         if left == 0:
