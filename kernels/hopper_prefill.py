@@ -78,18 +78,21 @@ SPLIT_LAST = False
 MIN_SPLIT_TILES, SPLIT_COST = 4, 4.0
 # A masked tile's weights times the slot's V as it is, the tile taken again with V checked and copied
 # only when that product is not finite (V is nearly always finite): its masked tiles cost 1200 cycles
-# less, and it was 0.5-3% faster than the landed kernel at the 8k rows in reports/gpu/kernel-ab.md §22's
-# last A/B. Off until its GPU tests pass: they ran before the masked copies were merged, and its rare
-# path now takes the scores again instead of keeping them live (ptxas spills 84/152 bytes, against
-# 200/284 as timed; the default path's 52/128).
-V_CHECK_AFTER = False
-# A diagnostic, None in production: an int64 tensor [units, 2, TIMELINE_FIELDS] (`timeline_shape`)
-# that each consumer fills with clock stamps of its units' phases and of their first PARTIAL_STAMPS
-# partial tiles (reports/hopper_timeline.py).
+# less. It was 0.7-4.2% faster than the tile checked first at every row of issue 16's table up to 32k
+# (5 rounds, one process; reports/gpu/kernel-ab.md §24), though its rare path's code makes the kernel
+# 13% longer (the scores taken again rather than kept live, which spilled more).
+V_CHECK_AFTER = True
+# A diagnostic, None in production: an int64 tensor [units + programs, 2, TIMELINE_FIELDS]
+# (`timeline_shape`) that each consumer fills with clock stamps of its units' phases and of their first
+# PARTIAL_STAMPS partial tiles, and each partition with its entry and exit (reports/hopper_timeline.py).
 TIMELINE = None
 PARTIAL_STAMPS = 4
 ITEM_FIELDS = 8  # an item's own stamps and list lengths; then each stamped partial tile's end and mode
 TIMELINE_FIELDS = ITEM_FIELDS + 2 * PARTIAL_STAMPS
+# Then a row a program (`timeline_shape`), of the device's nanosecond timer: each consumer's entry and
+# exit at fields PROGRAM_CONSUMER and + 1 of its part, the producer's at PROGRAM_PRODUCER and + 1 of
+# the first consumer's part, and the issue of its first copy at PROGRAM_FIRST_COPY there.
+PROGRAM_CONSUMER, PROGRAM_PRODUCER, PROGRAM_FIRST_COPY = 0, 2, 4
 FALLBACK_WARPS = 8  # the Triton kernel's warps on these 128-row tiles (a run with misaligned caches)
 HEAD_DIMS = (64, 128)
 MIN_PAGE_ROWS = 8  # the 128-byte swizzle's atom: a TMA copy into a slot starts on one
@@ -112,6 +115,8 @@ LN2 = gl.constexpr(0.6931471805599453)
 TIMELINE_FIELDS_C = gl.constexpr(TIMELINE_FIELDS)
 PARTIAL_STAMPS_C = gl.constexpr(PARTIAL_STAMPS)
 ITEM_FIELDS_C = gl.constexpr(ITEM_FIELDS)
+PROGRAM_CONSUMER_C, PROGRAM_PRODUCER_C = gl.constexpr(PROGRAM_CONSUMER), gl.constexpr(PROGRAM_PRODUCER)
+PROGRAM_FIRST_COPY_C = gl.constexpr(PROGRAM_FIRST_COPY)
 
 
 def on_hopper(device: torch.device) -> bool:
@@ -311,8 +316,9 @@ def num_programs(grid, device: torch.device) -> int:
 
 
 def timeline_shape(walk: Walk) -> tuple:
-    """The TIMELINE buffer's shape for a plan's walk: (units, consumers, fields)."""
-    return (walk.units.shape[0], 2, TIMELINE_FIELDS)
+    """The TIMELINE buffer's shape for a plan's walk: (units + programs, consumers, fields), a unit's
+    stamps at its row of the walk, then a row a program."""
+    return (walk.units.shape[0] + walk.offsets.shape[0] - 1, 2, TIMELINE_FIELDS)
 
 
 def launch(
@@ -409,14 +415,32 @@ def _mma_layout(n, num_warps):
 
 
 @gluon.jit
-def _stamp(p_stamp, x, GLOBAL: gl.constexpr = False):
-    """The timeline's stamp at p_stamp, read once x is known: the SM's cycle counter, or GLOBAL the
-    device's nanosecond timer (comparable across programs)."""
+def _clock(x, GLOBAL: gl.constexpr = False):
+    """The SM's cycle counter, or GLOBAL the device's nanosecond timer (comparable across programs),
+    read once x is known."""
     register: gl.constexpr = "%globaltimer" if GLOBAL else "%clock64"
-    clock = gl.inline_asm_elementwise(
+    return gl.inline_asm_elementwise(
         f"mov.u64 $0, {register};", "=l,r", [x], dtype=gl.int64, is_pure=False, pack=1
     )
-    gl.store(p_stamp, clock)
+
+
+@gluon.jit
+def _stamp(p_stamp, x, GLOBAL: gl.constexpr = False):
+    """The timeline's stamp at p_stamp, read once x is known (`_clock`)."""
+    gl.store(p_stamp, _clock(x, GLOBAL))
+
+
+@gluon.jit
+def _program_stamps(timeline, walk, ns_entry, field: gl.constexpr, CONSUMER: gl.constexpr):
+    """A partition's entry time (`_clock`, taken at its start) and its exit time (now), at its
+    program's row of the timeline (after the units' rows: the walk's last offset): fields field and
+    field + 1 of consumer CONSUMER's part."""
+    num_units = gl.load(walk + gl.num_programs(0))
+    row = (num_units + gl.program_id(0)) * 2 + CONSUMER
+    p_stamp = timeline + row.to(gl.int64) * TIMELINE_FIELDS_C + field
+    gl.store(p_stamp, ns_entry)
+    _stamp(p_stamp + 1, num_units, True)
+    return p_stamp
 
 
 @gluon.jit
@@ -462,12 +486,16 @@ def _page_rows(n, p_bt, seq_len, page_size, cache_rows, pred, o_box, PAGE_ROWS: 
 @gluon.jit
 def _producer(
     k_cache, v_cache, k_smem, v_smem, ready, empty, block_tables, tile_lists, stride_bt, stride_list_kind,
-    stride_list_tile, stride_list_head, page_size, group, cache_rows, num_heads, walk,
+    stride_list_tile, stride_list_head, page_size, group, cache_rows, num_heads, walk, timeline,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_ROWS: gl.constexpr, STAGES: gl.constexpr,
-    DEVICE_DESCRIPTORS: gl.constexpr,
+    DEVICE_DESCRIPTORS: gl.constexpr, TIMELINE: gl.constexpr,
 ):  # fmt: skip
     """Copies the key tiles of the program's work items, in walk order, into the ring: the k-th tile
-    goes to slot k % STAGES once both consumers have released it (`empty`), and completes on `ready`."""
+    goes to slot k % STAGES once both consumers have released it (`empty`), and completes on `ready`.
+    With TIMELINE, its entry and exit times and its first copy's issue (`PROGRAM_*`)."""
+    if TIMELINE:
+        ns_entry = _clock(gl.program_id(0), True)
+        first_copy = ns_entry
     if DEVICE_DESCRIPTORS:  # the caches are pointers: their descriptors are made here, once a program
         layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([PAGE_ROWS, HEAD_DIM], k_smem.dtype)
         width = (num_heads // group) * HEAD_DIM
@@ -511,8 +539,14 @@ def _producer(
                 v_box = v_smem.index(slot).slice(j * PAGE_ROWS, PAGE_ROWS)
                 tma.async_copy_global_to_shared(k_desc, [row, kv_col], bar, k_box)
                 tma.async_copy_global_to_shared(v_desc, [row, kv_col], bar, v_box)
+            if TIMELINE:  # noqa: SIM102 (a compile-time if around a runtime one)
+                if k == 0:
+                    first_copy = _clock(k, True)
             rows = rows_next
             k += 1
+    if TIMELINE:
+        p_stamp = _program_stamps(timeline, walk, ns_entry, PROGRAM_PRODUCER_C, 0)
+        gl.store(p_stamp + PROGRAM_FIRST_COPY_C - PROGRAM_PRODUCER_C, first_copy)
 
 
 @gluon.jit
@@ -726,7 +760,9 @@ def _consumer(
     TIMELINE, a unit's stamps: its start on both clocks, the cycle counter after its full tiles,
     after its partial tiles and once its stores are issued, the nanosecond timer then, its tiles'
     counts, then the cycle counter after each of its first PARTIAL_STAMPS partial tiles and those
-    tiles' modes."""
+    tiles' modes; and its entry and exit times (`PROGRAM_CONSUMER`)."""
+    if TIMELINE:
+        ns_entry = _clock(gl.program_id(0), True)
     ROWS: gl.constexpr = q_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
     NUM_WARPS: gl.constexpr = gl.num_warps()
@@ -870,6 +906,8 @@ def _consumer(
             _stamp(p_stamp + 4, k)
             _stamp(p_stamp + 5, k, True)
         i_qt, i_h, p_full, p_partial, n_full, begin, end, split, q_begin, context, seq_len = item
+    if TIMELINE:
+        _program_stamps(timeline, walk, ns_entry, PROGRAM_CONSUMER_C, CONSUMER)
 
 
 @gluon.jit
@@ -1014,7 +1052,8 @@ def hopper_prefill_kernel(
                 (
                     k_cache, v_cache, k_smem, v_smem, ready, empty, block_tables, tile_lists, stride_bt,
                     stride_list_kind, stride_list_tile, stride_list_head, page_size, group, cache_rows,
-                    num_heads, walk, HEAD_DIM, BLOCK_N, PAGE_ROWS, STAGES, DEVICE_DESCRIPTORS,
+                    num_heads, walk, timeline, HEAD_DIM, BLOCK_N, PAGE_ROWS, STAGES, DEVICE_DESCRIPTORS,
+                    TIMELINE,
                 ),
             ),
         ],

@@ -102,7 +102,7 @@ case $part in
     #   V cases whose row sees the key in a full tile);
     # - walk: every program of a dealt round takes the round's costliest item, the others none (the
     #   balanced walk's cases);
-    # - check-after: V_CHECK_AFTER never finds its product non-finite (its non-finite V cases).
+    # - check-after: V_CHECK_AFTER never finds its product non-finite (the non-finite V cases).
     names=()
     while IFS='|' read -r name edit left tests; do
       # HOPPER_BREAKS: only the breaks it names (default: every one)
@@ -124,7 +124,7 @@ epilogue|s/gl.sum(b_acc \* 0.0, 1) != 0.0/gl.sum(b_acc * 0.0, 1) > 0.0/|gl.sum(b
 walk|s/taken\[r, takers\] = items/taken[r, takers] = items[0]/|taken[r, takers] = items[0]|walks
 split-merge|s/gl.load(p_l) \* b_beta/gl.load(p_l) * b_alpha/|gl.load(p_l) * b_alpha|split
 split-reset|s/gl.store(p_done, 0)  # for the next launch/pass  # no reset/|pass  # no reset|split
-check-after|s/gl.sum(b_pv \* 0.0, 1) != 0.0/gl.sum(b_pv * 0.0, 1) > 0.0/|gl.sum(b_pv * 0.0, 1) > 0.0|v_check_after
+check-after|s/gl.sum(b_pv \* 0.0, 1) != 0.0/gl.sum(b_pv * 0.0, 1) > 0.0/|gl.sum(b_pv * 0.0, 1) > 0.0|v_cache and not v_checked_first
 BREAKS
     wait
     tail -n 3 "$out/tests.log" >> "$out/summary.txt"

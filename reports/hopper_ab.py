@@ -1,15 +1,16 @@
 """Same-process A/B of the planned prefill's Hopper path (kernels/hopper_prefill.py) against the Triton
 kernel it replaces on sm_90 (GPU only).
 
-`python3 -m reports.hopper_ab --out DIR [--only times,host,profile,timeline] [--variants [NAME,...]]
+`python3 -m reports.hopper_ab --out DIR [--only times,host,profile,timeline,durations] [--variants [NAME,...]]
 [--previous DIR] [--vllm DIR] [--rounds N] [--max-tokens N]`: the planned times of both paths (and of the
 variants, of the previous commit's Hopper path, and of vLLM's kernel on the Phi-3 rows,
 reports/vllm_baseline.py) on rows of the kernel benchmark (reports/bench_kernels.py), in one process, each
-timed once a round in turn (`--rounds`: the same-process spread); with `--vllm` the ratios to vLLM are to its
-time in this process, otherwise to issue 16's (bench_kernels.VLLM_MS); `host` breaks down the Hopper run's
-host time at 8k; `profile` runs each path once on the 8k Phi-3 prefill, for ncu; `timeline` summarizes the
-Hopper paths' own timelines (reports/hopper_timeline.py). Writes hopper-ab.json under DIR and prints a table.
-The Hopper path's verdicts: tests/kernels/test_hopper_prefill.py.
+timed once a round in turn, each round starting one path later (`--rounds`: the same-process spread); with
+`--vllm` the ratios to vLLM are to its time in this process, otherwise to issue 16's (bench_kernels.VLLM_MS);
+`host` breaks down the Hopper run's host time at 8k; `profile` runs each path once on the 8k Phi-3 prefill,
+for ncu; `timeline` summarizes the Hopper paths' own timelines (reports/hopper_timeline.py); `durations`
+sets the 8k rows' do_bench times beside the kernels' own (the profiler's). Writes hopper-ab.json under DIR
+and prints a table. The Hopper path's verdicts: tests/kernels/test_hopper_prefill.py.
 """
 
 import argparse
@@ -53,13 +54,13 @@ PATHS = [
     ("triton", "kernels", False, {}),
 ]
 # --variants: the kernel walking head-major in every round, with its last round split where the cost
-# model says it pays, with every round dealt by cost, checking V after a masked tile's product, and
+# model says it pays, with every round dealt by cost, checking V before a masked tile's product, and
 # with host-made TMA descriptors (the previous launch)
 VARIANTS = [
     ("head_major", "kernels", True, {"BALANCED_WALK": False}),
     ("split", "kernels", True, {"SPLIT_LAST": True}),
     ("balanced_all", "kernels", True, {"BALANCED_ROUNDS": 10**6}),
-    ("v_check_after", "kernels", True, {"V_CHECK_AFTER": True}),
+    ("v_checked_first", "kernels", True, {"V_CHECK_AFTER": False}),
     ("host_descriptors", "kernels", True, {"DEVICE_DESCRIPTORS": False}),
 ]
 HOST_DESCRIPTORS = VARIANTS[-1]
@@ -77,9 +78,9 @@ ENQUEUE_TOKENS = 8192  # enqueue times are taken at these rows only (the queue i
 
 
 def times(save, paths, rounds: int = 1, max_tokens: int | None = None, vllm=None) -> list[dict]:
-    """The rows' times (up to max_tokens), each path timed once a round, in turn (`{path}_ms`: the
-    median of its rounds), with vLLM's kernel on the Phi-3 rows when `vllm` names its directory;
-    `save(rows)` after each row (a run cut short keeps what it measured)."""
+    """The rows' times (up to max_tokens), each path timed once a round, in turn from a path one later
+    each round (`{path}_ms`: the median of its rounds), with vLLM's kernel on the Phi-3 rows when `vllm`
+    names its directory; `save(rows)` after each row (a run cut short keeps what it measured)."""
     gen = torch.Generator().manual_seed(0)
     rows = []
     for n, queries, layout_name, page in TIME_ROWS:
@@ -102,8 +103,11 @@ def times(save, paths, rounds: int = 1, max_tokens: int | None = None, vllm=None
             for name, dtype in (("vllm", torch.int64), ("vllm_int32", torch.int32)):
                 runs[name] = VllmPrefill(vllm, p.q, *p.gathered(), mask, bk.SPARSE_BLOCK, bk.SCALE, dtype)
                 outs[name] = runs[name]()
-        for _ in range(rounds):
-            for path, run in runs.items():
+        order = list(runs.items())
+        for r in range(rounds):
+            # Each round starts one path later: a path's place in the round biased it (the same binary,
+            # always timed first, ran up to 10% slower than when timed third, kernel-ab.md §24).
+            for path, run in order[r % len(order) :] + order[: r % len(order)]:
                 row.setdefault(f"{path}_ms_rounds", []).append(bk.bench(run))
         for path, run in runs.items():
             row[f"{path}_ms"] = statistics.median(row[f"{path}_ms_rounds"])
@@ -123,6 +127,52 @@ def times(save, paths, rounds: int = 1, max_tokens: int | None = None, vllm=None
             f"issue {row['vllm_issue_ms']})",
             flush=True,
         )
+        rows.append(row)
+        save(rows)
+    bk.PAGE_SIZE = 16
+    return rows
+
+
+DURATION_ROWS = [(8192, q, "phi3", 16) for q in (8192, 4096, 2048, 832)]
+DURATION_RUNS = 20
+
+
+def durations(save, paths, vllm=None) -> list[dict]:
+    """At the 8k Phi-3 rows, each path's do_bench time beside its kernels' own durations (the
+    profiler's, medians of DURATION_RUNS runs, L2 flushed before each as do_bench does): what the
+    timing adds to a kernel, for ours and for vLLM's (`vllm`: its directory)."""
+    gen = torch.Generator().manual_seed(0)
+    flush = torch.empty(hopper_timeline.L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    rows = []
+    for n, queries, _, page in DURATION_ROWS:
+        layout = bk.phi3_layout()
+        bk.PAGE_SIZE = page
+        p = bk.Prefill(n, queries, layout, gen)
+        runs = {}
+        for path, package, on, settings in paths:
+            with hopper_path(on, package, **settings) as prefill:
+                plan = prefill.plan_prefill(*p.args(), scale=bk.SCALE, layout=layout)
+            runs[path] = functools.partial(plan.run, p.q, p.k, p.v)
+        if vllm is not None:
+            mask = layout.block_mask(bk.HEADS, n // bk.SPARSE_BLOCK)
+            runs["vllm"] = VllmPrefill(vllm, p.q, *p.gathered(), mask, bk.SPARSE_BLOCK, bk.SCALE, torch.int64)
+        row = {"n": n, "queries": queries}
+        for path, run in runs.items():
+            run()
+            row[f"{path}_ms"] = bk.bench(run)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(DURATION_RUNS):
+                    flush.zero_()
+                    run()
+                torch.cuda.synchronize()
+            kernels: dict = {}
+            for event in prof.events():
+                if event.device_type == torch.autograd.DeviceType.CUDA:
+                    kernels.setdefault(event.name, []).append(event.time_range.elapsed_us())
+            row[f"{path}_kernels_us"] = {
+                name: statistics.median(us) for name, us in kernels.items() if len(us) >= DURATION_RUNS
+            }
+        print(row, flush=True)
         rows.append(row)
         save(rows)
     bk.PAGE_SIZE = 16
@@ -188,7 +238,13 @@ def main(argv=None) -> int:
         (args.out / "hopper-ab.json").write_text(json.dumps(result, indent=1))
 
     timed = functools.partial(times, rounds=args.rounds, max_tokens=args.max_tokens, vllm=args.vllm)
-    parts = {"times": timed, "profile": profile, "host": host_parts, "timeline": hopper_timeline.timeline}
+    parts = {
+        "times": timed,
+        "profile": profile,
+        "host": host_parts,
+        "timeline": hopper_timeline.timeline,
+        "durations": functools.partial(durations, vllm=args.vllm),
+    }
     for part in args.only.split(","):
         save(part, parts[part](functools.partial(save, part), paths))
     return 0

@@ -8,7 +8,9 @@ of its first partial tiles, with that tile's mode. `summarize` turns that into: 
 imbalance (how long each one's last unit ends before the kernel's last), the share of a consumer's
 time in each phase, the cycles a full and a partial key tile cost (a partial one by mode: skipped,
 taken whole, masked by causality alone, masked by the layout too), and the cycles a unit spends
-outside its key tiles.
+outside its key tiles. Each partition also stamps its entry and exit: `outside_units` says, for a run after
+an L2 flush (as do_bench times it), how long the programs take to start their first unit and to exit
+after their last.
 Run through `python3 -m reports.hopper_ab --only timeline` (hopper-ab.json's `timeline` part).
 """
 
@@ -28,6 +30,7 @@ ROWS = [
     (32768, 32768, "phi3"),
     (8192, 8192, "dense"),
 ]
+L2_FLUSH_BYTES = 256 * 2**20  # do_bench's
 # The stamps' fields (TIMELINE_FIELDS of them an item).
 NS_START, START, AFTER_FULL, AFTER_PARTIAL, END, NS_END, N_FULL, COUNT = range(hopper_prefill.ITEM_FIELDS)
 # Then a field a stamped partial tile: its end, and after those its mode.
@@ -41,10 +44,11 @@ MODES = {  # a stamped tile's mode (kernels/tile_lists.py's HALF_*) -> its name 
 }
 
 
-def stamps(prefill, p) -> tuple[torch.Tensor, torch.Tensor]:
+def stamps(prefill, p, cold: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One run of the Hopper path on problem p (a reports.bench_kernels.Prefill) with the timeline on:
-    its stamps, int64 [programs, 2, rounds, TIMELINE_FIELDS] (a program's units in its order; rounds
-    it did not take are all zero), and its output."""
+    its units' stamps, int64 [programs, 2, rounds, TIMELINE_FIELDS] (a program's units in its order;
+    rounds it did not take are all zero), its programs' rows [programs, 2, TIMELINE_FIELDS]
+    (`hopper_prefill.PROGRAM_*`) and its output. `cold`: L2 flushed before the run, as do_bench does."""
     walk = prefill.plan_prefill(*p.args(), scale=bk.SCALE, layout=p.layout).walk
     buffer = torch.zeros(hopper_prefill.timeline_shape(walk), dtype=torch.int64, device=p.q.device)
     hopper_prefill.TIMELINE = buffer
@@ -55,9 +59,12 @@ def stamps(prefill, p) -> tuple[torch.Tensor, torch.Tensor]:
     for _ in range(3):  # compiled and warm
         plan.run(p.q, p.k, p.v)
     buffer.zero_()
+    if cold:
+        torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=p.q.device).zero_()
     out = plan.run(p.q, p.k, p.v)
     torch.cuda.synchronize()
-    return by_program(buffer.cpu(), walk.offsets), out
+    units = walk.units.shape[0]
+    return by_program(buffer[:units].cpu(), walk.offsets), buffer[units:].cpu(), out
 
 
 def by_program(units: torch.Tensor, offsets) -> torch.Tensor:
@@ -145,6 +152,37 @@ def summarize(t: torch.Tensor) -> dict:
     }
 
 
+def outside_units(t: torch.Tensor, programs: torch.Tensor) -> dict:
+    """Where a run's time goes outside its units (`stamps`), in microseconds: the programs' entries'
+    spread, each partition's time from its entry to its first unit's start (a consumer) or its first
+    copy's issue (the producer), and from its last unit's end to its exit; and the kernel's span from
+    the first entry to the last exit."""
+    consumer = programs[:, :, hopper_prefill.PROGRAM_CONSUMER]  # [programs, 2]
+    exits = programs[:, :, hopper_prefill.PROGRAM_CONSUMER + 1]
+    producer = programs[:, 0, hopper_prefill.PROGRAM_PRODUCER]
+    producer_exit = programs[:, 0, hopper_prefill.PROGRAM_PRODUCER + 1]
+    first_copy = programs[:, 0, hopper_prefill.PROGRAM_FIRST_COPY]
+    taken = t[..., NS_START] > 0
+    first_start = t[:, :, 0, NS_START]
+    last_end = t[..., NS_END].amax(dim=2)
+    busy = taken.any(dim=2)  # [programs, 2]
+    entry = torch.minimum(consumer.amin(dim=1), producer)
+    last_exit = torch.maximum(exits.amax(dim=1), producer_exit)
+
+    def us(x: torch.Tensor) -> dict:
+        x = x.double() / 1e3
+        return {"mean": x.mean().item(), "max": x.max().item()}
+
+    return {
+        "entry_spread_us": (entry.max() - entry.min()).item() / 1e3,
+        "to_first_unit_us": us((first_start - consumer)[busy]),
+        "to_first_copy_us": us((first_copy - producer)[busy[:, 0]]),
+        "after_last_unit_us": us((exits - last_end)[busy]),
+        "inside_us": (last_exit.max() - entry.min()).item() / 1e3,
+        "units_span_us": (last_end.max() - first_start[busy].min()).item() / 1e3,
+    }
+
+
 def timeline(save, paths) -> list[dict]:
     """The ROWS' timelines for each Hopper path of `paths` that has the diagnostic (this tree's)."""
     from reports.hopper_ab import hopper_path
@@ -160,6 +198,7 @@ def timeline(save, paths) -> list[dict]:
             with hopper_path(True, package, **settings) as prefill:
                 row = {"n": n, "queries": queries, "layout": layout_name, "path": path}
                 row.update(summarize(stamps(prefill, p)[0]))
+                row["cold"] = outside_units(*stamps(prefill, p, cold=True)[:2])
             print(row, flush=True)
             rows.append(row)
             save(rows)

@@ -140,12 +140,13 @@ def test_hopper_prefill_split_items(hopper_path, monkeypatch, name, poison):
     ("name", "poison"),
     [param for param in PARAMS if param.values[1] is not None or param.values[0] in CHECK_AFTER_CASES],
 )
-def test_hopper_prefill_v_check_after(hopper_path, monkeypatch, name, poison):
-    """V_CHECK_AFTER (off by default): a masked tile's weights times V as it is, the tile taken again
-    with V checked when that product is not finite; the non-finite cases and the masked layouts."""
-    monkeypatch.setattr(hopper_prefill, "V_CHECK_AFTER", True)
+def test_hopper_prefill_v_checked_first(hopper_path, monkeypatch, name, poison):
+    """V_CHECK_AFTER off (on by default, where a masked tile's weights multiply V as it is, the tile
+    taken again with V checked when that product is not finite): every masked tile's V checked and
+    copied before its product; the non-finite cases and the masked layouts."""
+    monkeypatch.setattr(hopper_prefill, "V_CHECK_AFTER", False)
     plan = _judge(name, poison)
-    assert plan.hopper.planned["V_CHECK_AFTER"], "the plan did not check V after the product"
+    assert not plan.hopper.planned["V_CHECK_AFTER"], "the plan checked V after the product"
 
 
 def _judge(name, poison, cases=CASES):
@@ -182,7 +183,7 @@ def test_hopper_timeline(hopper_path):
     p = bk.Prefill(n, queries, bk.phi3_layout(), torch.Generator().manual_seed(0))
     plan = paged_prefill.plan_prefill(*p.args(), scale=bk.SCALE, layout=p.layout)
     expected = plan.run(p.q, p.k, p.v)
-    t, out = ht.stamps(paged_prefill, p)
+    t, programs, out = ht.stamps(paged_prefill, p)
     assert torch.equal(out, expected)
     taken = t[..., ht.NS_START] > 0
     assert (taken.sum(dim=(0, 2)) == plan.walk.units.shape[0]).all()
@@ -210,6 +211,17 @@ def test_hopper_timeline(hopper_path):
         assert mine[:, ht.COUNT].sum() == counts.sum()
     summary = ht.summarize(t)
     assert sum(summary["share"].values()) == pytest.approx(1.0)
+    # Each partition enters before its first unit (or copy) and exits after its last.
+    consumer = hopper_prefill.PROGRAM_CONSUMER
+    entry, exit_ = programs[:, :, consumer], programs[:, :, consumer + 1]
+    busy = taken.any(dim=2)
+    assert (entry[busy] <= t[:, :, 0, ht.NS_START][busy]).all()
+    assert (exit_[busy] >= t[..., ht.NS_END].amax(dim=2)[busy]).all()
+    producer = programs[:, 0, hopper_prefill.PROGRAM_PRODUCER : hopper_prefill.PROGRAM_FIRST_COPY + 1]
+    assert (producer[busy[:, 0]] > 0).all()
+    assert (producer[:, 0] <= producer[:, 2])[busy[:, 0]].all()  # entry, then the first copy
+    outside = ht.outside_units(t, programs)
+    assert 0 <= outside["units_span_us"] <= outside["inside_us"]
 
 
 def test_hopper_timeline_refuses_a_short_buffer(hopper_path, monkeypatch):

@@ -75,3 +75,23 @@ def test_by_program_lays_each_programs_units_out_in_order():
     assert (t[1] == 0).all()
     assert torch.equal(t[2, :, :2].transpose(0, 1), units[3:])
     assert (t[2, :, 2] == 0).all()
+
+
+def test_outside_units_reads_back_entries_and_exits():
+    t = synthetic([2, 1], [3, 7], [3, 0])  # both clocks at 1000 ns when the first unit starts
+    programs = torch.zeros(2, 2, ht.hopper_prefill.TIMELINE_FIELDS, dtype=torch.int64)
+    consumer, producer = ht.hopper_prefill.PROGRAM_CONSUMER, ht.hopper_prefill.PROGRAM_PRODUCER
+    last_end = t[..., ht.NS_END].amax(dim=2)
+    programs[:, :, consumer] = torch.tensor([[400, 500], [600, 600]])
+    programs[:, :, consumer + 1] = last_end + torch.tensor([[100, 300], [200, 200]])
+    programs[:, 0, producer] = torch.tensor([300, 700])
+    programs[:, 0, producer + 1] = last_end[:, 0] + 50
+    programs[:, 0, ht.hopper_prefill.PROGRAM_FIRST_COPY] = torch.tensor([900, 1100])
+    s = ht.outside_units(t, programs)
+    assert s["entry_spread_us"] == pytest.approx(0.3)  # the first program at 300 ns, the second at 600
+    assert s["to_first_unit_us"]["mean"] == pytest.approx((600 + 500 + 400 + 400) / 4 / 1e3)
+    assert s["to_first_unit_us"]["max"] == pytest.approx(0.6)
+    assert s["to_first_copy_us"]["mean"] == pytest.approx(0.5)
+    assert s["after_last_unit_us"]["max"] == pytest.approx(0.3)
+    assert s["inside_us"] == pytest.approx((last_end.max().item() + 300 - 300) / 1e3)
+    assert s["units_span_us"] == pytest.approx((last_end.max().item() - 1000) / 1e3)
