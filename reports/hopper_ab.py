@@ -77,6 +77,25 @@ TIME_ROWS = (
 ENQUEUE_TOKENS = 8192  # enqueue times are taken at these rows only (the queue is slow to fill at 128k)
 
 
+# vLLM's CSR index widths: int64 as vLLM builds it; int32 checks that the width does not slow it.
+VLLM_CSR = {"vllm": torch.int64, "vllm_int32": torch.int32}
+
+
+def path_runs(p, n: int, layout, paths, vllm=None, csr=VLLM_CSR) -> tuple[dict, dict]:
+    """Each path's plan of problem p (a bench_kernels.Prefill of n tokens) and its planned run, then
+    vLLM's kernel with each of `csr`'s index widths when `vllm` names its directory and p has a layout."""
+    plans, runs = {}, {}
+    for path, package, on, settings in paths:
+        with hopper_path(on, package, **settings) as prefill:
+            plans[path] = prefill.plan_prefill(*p.args(), scale=bk.SCALE, layout=layout)
+        runs[path] = functools.partial(plans[path].run, p.q, p.k, p.v)
+    if vllm is not None and layout is not None:
+        mask = layout.block_mask(bk.HEADS, n // bk.SPARSE_BLOCK)
+        for name, dtype in csr.items():
+            runs[name] = VllmPrefill(vllm, p.q, *p.gathered(), mask, bk.SPARSE_BLOCK, bk.SCALE, dtype)
+    return plans, runs
+
+
 def times(save, paths, rounds: int = 1, max_tokens: int | None = None, vllm=None) -> list[dict]:
     """The rows' times (up to max_tokens), each path timed once a round, in turn from a path one later
     each round (`{path}_ms`: the median of its rounds), with vLLM's kernel on the Phi-3 rows when `vllm`
@@ -90,19 +109,10 @@ def times(save, paths, rounds: int = 1, max_tokens: int | None = None, vllm=None
         bk.PAGE_SIZE = page
         p = bk.Prefill(n, queries, layout, gen)
         row = {"n": n, "queries": queries, "layout": layout_name, "page": page}
-        outs, runs = {}, {}
-        for path, package, on, settings in paths:
-            with hopper_path(on, package, **settings) as prefill:
-                plan = prefill.plan_prefill(*p.args(), scale=bk.SCALE, layout=layout)
+        plans, runs = path_runs(p, n, layout, paths, vllm)
+        for path, plan in plans.items():
             row[f"{path}_took_hopper"] = plan.hopper is not None
-            runs[path] = functools.partial(plan.run, p.q, p.k, p.v)
-            outs[path] = runs[path]()
-        if vllm is not None and layout is not None:
-            # vLLM's CSR is int64; the int32 run checks that the index width does not slow it.
-            mask = layout.block_mask(bk.HEADS, n // bk.SPARSE_BLOCK)
-            for name, dtype in (("vllm", torch.int64), ("vllm_int32", torch.int32)):
-                runs[name] = VllmPrefill(vllm, p.q, *p.gathered(), mask, bk.SPARSE_BLOCK, bk.SCALE, dtype)
-                outs[name] = runs[name]()
+        outs = {path: run() for path, run in runs.items()}
         order = list(runs.items())
         for r in range(rounds):
             # Each round starts one path later: a path's place in the round biased it (the same binary,
@@ -133,7 +143,7 @@ def times(save, paths, rounds: int = 1, max_tokens: int | None = None, vllm=None
     return rows
 
 
-DURATION_ROWS = [(8192, q, "phi3", 16) for q in (8192, 4096, 2048, 832)]
+DURATION_QUERIES = (8192, 4096, 2048, 832)  # the 8k Phi-3 rows
 DURATION_RUNS = 20
 
 
@@ -144,18 +154,10 @@ def durations(save, paths, vllm=None) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     flush = torch.empty(hopper_timeline.L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
     rows = []
-    for n, queries, _, page in DURATION_ROWS:
-        layout = bk.phi3_layout()
-        bk.PAGE_SIZE = page
+    n, layout = 8192, bk.phi3_layout()
+    for queries in DURATION_QUERIES:
         p = bk.Prefill(n, queries, layout, gen)
-        runs = {}
-        for path, package, on, settings in paths:
-            with hopper_path(on, package, **settings) as prefill:
-                plan = prefill.plan_prefill(*p.args(), scale=bk.SCALE, layout=layout)
-            runs[path] = functools.partial(plan.run, p.q, p.k, p.v)
-        if vllm is not None:
-            mask = layout.block_mask(bk.HEADS, n // bk.SPARSE_BLOCK)
-            runs["vllm"] = VllmPrefill(vllm, p.q, *p.gathered(), mask, bk.SPARSE_BLOCK, bk.SCALE, torch.int64)
+        _, runs = path_runs(p, n, layout, paths, vllm, {"vllm": torch.int64})
         row = {"n": n, "queries": queries}
         for path, run in runs.items():
             run()
@@ -175,7 +177,6 @@ def durations(save, paths, vllm=None) -> list[dict]:
         print(row, flush=True)
         rows.append(row)
         save(rows)
-    bk.PAGE_SIZE = 16
     return rows
 
 
