@@ -48,6 +48,10 @@ class Capabilities:
     lse: bool = True  # return_lse=True is supported
     context: bool = True  # prefill with a cached context (C > 0)
     validates: bool = True  # bad input raises ValueError / TypeError (contract §4)
+    # Its plans read their metadata tensors at every launch, so that a plan captured in a CUDA graph stays
+    # right when they are rewritten in place: decode sequences no longer than planned, the same table
+    # width, write_kv slots of the same count (the engine's decode graphs need it; False: eager steps).
+    graphs: bool = False
     block_sizes: tuple[int, ...] | None = None  # sparse block sizes S of sparse layouts; None: any
     page_sizes: tuple[int, ...] | None = None  # page sizes P; None: any
     head_dims: tuple[int, ...] | None = None  # head dims D; None: any
@@ -65,7 +69,7 @@ class Capabilities:
             raise ValueError(f"{where}: unknown capabilities {unknown}; known: {sorted(known)}")
         values = {}
         for key, value in mapping.items():
-            if key in ("lse", "context", "validates"):
+            if key in ("lse", "context", "validates", "graphs"):
                 if not isinstance(value, bool):
                     raise TypeError(f"{where}: capabilities[{key!r}] must be a bool, got {value!r}")
                 values[key] = value
@@ -163,7 +167,7 @@ def _triton():
 
     # Triton's CPU interpreter computes bfloat16 on raw bits (docs/triton-interpreter.md).
     dtypes = ("float32", "float16") if _interpreted() else ALL_DTYPES
-    return kernels, {"dtypes": dtypes}
+    return kernels, {**kernels.capabilities, "dtypes": dtypes}
 
 
 def _reference():

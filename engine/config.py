@@ -43,6 +43,9 @@ class EngineConfig:
             Default: `None`, `"cuda"` when a GPU is present, else `"cpu"`.
         record_logits (bool):
             Keep each sampled step's full logits on the output (for equivalence tests). Default: `False`.
+        enforce_eager (bool):
+            Run every step eagerly. Otherwise, on a GPU with a backend that declares the `graphs`
+            capability, decode steps replay CUDA graphs (engine/cuda_graphs.py). Default: `False`.
     """
 
     model: str = "tiny"
@@ -56,6 +59,7 @@ class EngineConfig:
     dtype: str | None = None
     device: str | None = None
     record_logits: bool = False
+    enforce_eager: bool = False
 
     def __post_init__(self):
         if not isinstance(self.model, str):
@@ -65,7 +69,7 @@ class EngineConfig:
         check_int("seed", self.seed, 0)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         check_int("max_num_seqs", self.max_num_seqs, 1)
-        for name in ("enable_prefix_caching", "record_logits"):
+        for name in ("enable_prefix_caching", "record_logits", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if self.backend is None:

@@ -138,7 +138,9 @@ class DecoderLayer(nn.Module):
         self.up = nn.Linear(args.dim, args.ffn_dim, bias=False)
         self.down = nn.Linear(args.ffn_dim, args.dim, bias=False)
 
-    def forward(self, h, rope: tuple[torch.Tensor, torch.Tensor], attend: Callable):
+    def attention_inputs(self, h, rope: tuple[torch.Tensor, torch.Tensor]):
+        """q [num_tokens, n_heads, head_dim] and k, v [num_tokens, n_kv_heads, head_dim] of hidden states
+        h [num_tokens, dim], q and k rotated."""
         a = self.args
         q_size, kv_size = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
         qkv = self.qkv(self.attn_norm(h))
@@ -146,9 +148,18 @@ class DecoderLayer(nn.Module):
         # once a layer, not twice), element for element as two calls would.
         qk = rotary(qkv[:, : q_size + kv_size].reshape(-1, a.n_heads + a.n_kv_heads, a.head_dim), *rope)
         q, k = qk.split([a.n_heads, a.n_kv_heads], dim=1)
-        o = attend(q, k, qkv[:, q_size + kv_size :].reshape(-1, a.n_kv_heads, a.head_dim).contiguous())
-        h = h + self.out(o.reshape(-1, q_size))
+        # q contiguous here, so that a graph of this (engine/cuda_graphs.py) makes the copy attention needs.
+        v = qkv[:, q_size + kv_size :].reshape(-1, a.n_kv_heads, a.head_dim).contiguous()
+        return q.contiguous(), k, v
+
+    def finish(self, h, o):
+        """The layer's output [num_tokens, dim] from its input h and attention's o [num_tokens, n_heads,
+        head_dim]."""
+        h = h + self.out(o.reshape(h.shape[0], -1))
         return h + self.down(nn.functional.gelu(self.up(self.mlp_norm(h))))
+
+    def forward(self, h, rope: tuple[torch.Tensor, torch.Tensor], attend: Callable):
+        return self.finish(h, attend(*self.attention_inputs(h, rope)))
 
 
 class Decoder(nn.Module):
@@ -197,9 +208,18 @@ class Decoder(nn.Module):
         Returns:
             float32 [num_samples, vocab_size].
         """
-        h = self.embed(input_ids)
-        # [num_tokens, 1, head_dim // 2] each, gathered once for every layer's q and k.
-        rope = tuple(table[positions].unsqueeze(1) for table in self.rope)
+        h, rope = self.embed(input_ids), self.rope_rows(positions)
         for i, layer in enumerate(self.layers):
             h = layer(h, rope, lambda q, k, v, i=i: attend(i, q, k, v))
-        return self.lm_head(self.norm(h[logits_index])).float()
+        return self.logits(h[logits_index])
+
+    @torch.no_grad()
+    def rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin float32 [num_tokens, 1, head_dim // 2] of int64 positions [num_tokens], gathered
+        once for every layer's q and k."""
+        return tuple(table[positions].unsqueeze(1) for table in self.rope)
+
+    @torch.no_grad()
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 [rows, vocab_size] of the last layer's hidden states h [rows, dim]."""
+        return self.lm_head(self.norm(h)).float()

@@ -17,6 +17,7 @@ import torch
 
 from backends import registry
 from engine.config import EngineConfig
+from engine.cuda_graphs import StepGraphs
 from engine.model import Decoder, ModelArgs
 from engine.sequence import Sequence
 
@@ -163,6 +164,8 @@ class ModelRunner:
             for _ in range(args.n_layers)
         ]
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        graphs = self.device.type == "cuda" and not config.enforce_eager
+        self.graphs = StepGraphs(self, whole_decode=self.ops.capabilities.graphs) if graphs else None
 
     def prepare(self, batch: list[ScheduledSeq]):
         """Flattens a batch ordered one-query rows first, with one host-to-device copy and one cast.
@@ -211,11 +214,13 @@ class ModelRunner:
         )
         return dev[at_ids], dev[at_pos], dev[at_samples], meta
 
-    def attend(self, meta: AttentionMetadata, layer: int, q, k, v) -> torch.Tensor:
-        """write_kv, then paged_decode on the one-query rows and paged_prefill on the rest."""
+    def attend(self, meta: AttentionMetadata, layer: int, q, k, v, write_kv: bool = True) -> torch.Tensor:
+        """write_kv (unless the caller wrote K/V already), then paged_decode on the one-query rows and
+        paged_prefill on the rest."""
         k_cache, v_cache = self.kv_caches[layer]
         layout, nd = self.model.layouts[layer], meta.num_decode_tokens
-        self._planned(meta, "write_kv", "write_kv", (k, v, k_cache, v_cache), (meta.slot_mapping,))
+        if write_kv:
+            self._planned(meta, "write_kv", "write_kv", (k, v, k_cache, v_cache), (meta.slot_mapping,))
         attention = dict(scale=self.args.scale, layout=layout)
         parts = []
         if nd:
@@ -244,13 +249,24 @@ class ModelRunner:
 
     def run(self, batch: list[ScheduledSeq]) -> list[Sample | None]:
         """One forward pass over `batch`; a Sample for every row whose chunk reaches its last token."""
-        order = sorted(range(len(batch)), key=lambda i: batch[i].num_tokens != 1)  # stable
-        ordered = [batch[i] for i in order]
-        input_ids, positions, sample_rows, meta = self.prepare(ordered)
-        sampling = [j for j, item in enumerate(ordered) if item.samples]
-        logits = self.model(
-            input_ids, positions, lambda i, q, k, v: self.attend(meta, i, q, k, v), sample_rows
-        )
+        logits = None if self.graphs is None else self.graphs.decode_logits(batch)
+        if logits is not None:  # every row one query token, replayed as one graph
+            order, ordered = range(len(batch)), batch
+            sampling = [j for j, item in enumerate(batch) if item.samples]
+            logits = logits if len(sampling) == len(batch) else logits[sampling]
+        else:
+            order = sorted(range(len(batch)), key=lambda i: batch[i].num_tokens != 1)  # stable
+            ordered = [batch[i] for i in order]
+            input_ids, positions, sample_rows, meta = self.prepare(ordered)
+            sampling = [j for j, item in enumerate(ordered) if item.samples]
+            pieces = None if self.graphs is None else self.graphs.pieces_for(len(input_ids))
+            write_kv = pieces is None or not pieces.write_kv  # or the piece graphs write K/V themselves
+            attend = lambda i, q, k, v: self.attend(meta, i, q, k, v, write_kv)  # noqa: E731
+            if pieces is None:
+                logits = self.model(input_ids, positions, attend, sample_rows)
+            else:  # the layers replayed as graphs between eager attention calls
+                h = pieces.run(input_ids, positions, meta.slot_mapping, attend)
+                logits = self.model.logits(h[sample_rows])
         samples: list[Sample | None] = [None] * len(batch)
         temperatures = [ordered[j].seq.params.temperature for j in sampling]
         for j, sample in zip(sampling, self._sample(logits, temperatures), strict=True):
@@ -261,7 +277,8 @@ class ModelRunner:
         """One Sample per row of logits [num_samples, vocab_size]. Greedy rows are taken together
         with one device-to-host copy for the step (a read per row was two syncs per sequence); the
         others draw from the runner's generator row by row, in order."""
-        kept = logits.cpu() if self.config.record_logits else None
+        # A copy even on the CPU: a graph step's logits are its static output, rewritten next step.
+        kept = logits.to("cpu", copy=True) if self.config.record_logits else None
         out: list[Sample | None] = [None] * len(temperatures)
         greedy = [r for r, t in enumerate(temperatures) if t == 0.0]
         if greedy:

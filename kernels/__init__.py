@@ -15,4 +15,15 @@ from kernels.write_kv import plan_write_kv, write_kv
 # inputs are non-finite on purpose (contract §4), so numpy's floating-point warnings say nothing.
 warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\.runtime\.interpreter")
 
-__all__ = ["paged_decode", "paged_prefill", "plan_decode", "plan_prefill", "plan_write_kv", "write_kv"]
+# Contract §9's defaults, plus: the plans read their metadata at every launch (the engine's decode
+# steps may run as CUDA graphs; kernels/paged_decode.py plans splits for any sequence up to the longest).
+capabilities = {"graphs": True}
+
+__all__ = [
+    "paged_decode",
+    "paged_prefill",
+    "plan_decode",
+    "plan_prefill",
+    "plan_write_kv",
+    "write_kv",
+]

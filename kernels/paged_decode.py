@@ -271,10 +271,11 @@ class DecodePlan:
         lists = tile_lists.tile_lists(
             layout, batch.num_heads, max(batch.seq_lens), rows, block_n, group, device
         )
-        # The longest lists any sequence walks, from the lists' host-side counts (no device read):
-        # [2, num_seqs, list_heads], full and partial.
-        blocks = torch.tensor([(n - 1) // lists.block_size for n in batch.seq_lens])
-        longest = lists.counts[:, blocks].amax(dim=(1, 2)).tolist()
+        # The longest lists of any query block up to the last one planned, from the lists' host-side
+        # counts (no device read), full and partial: so the splits cover any sequence no longer than
+        # the longest planned, should the metadata be rewritten in place (the engine's CUDA graphs).
+        last_block = (max(batch.seq_lens) - 1) // lists.block_size
+        longest = lists.counts[:, : last_block + 1].amax(dim=(1, 2)).tolist()
         num_tiles = max(sum(longest), 1)
         wanted = _num_splits(batch, num_tiles * block_n, block_n, device)
         split_len = cdiv(num_tiles, wanted)

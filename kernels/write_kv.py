@@ -7,7 +7,7 @@ Every tensor may be a non-contiguous view: K/V and caches are addressed through 
 import triton
 import triton.language as tl
 
-from kernels._common import MIN_DOT
+from kernels._common import MIN_DOT, BoundLaunch
 from reference.validation import PlanGuard, validate_write_kv
 
 NUM_WARPS = 4
@@ -62,6 +62,11 @@ def write_kv_kernel(
         tl.store(v_cache + o_dst_v, tl.load(v + o_src_v, mask=m_hd), mask=m_hd)
 
 
+# The kernel's stride parameters, in order: k's, v's, k_cache's, v_cache's.
+_ARGS = write_kv_kernel.arg_names
+STRIDE_NAMES = _ARGS[_ARGS.index("stride_kt") : _ARGS.index("page_size")]
+
+
 class WritePlan:
     """One validated `write_kv` call, ready to launch for any K/V and caches of the planned shapes.
 
@@ -76,30 +81,32 @@ class WritePlan:
         )
         # The kernel reads slot t at offset t (a no-op when slot_mapping already is contiguous).
         self.slot_mapping = slot_mapping.contiguous()
+        num_tokens, num_kv_heads, head_dim = k.shape
+        # Strides are planned: the guard holds every run's tensors to the planned ones.
+        strides = dict(
+            zip(STRIDE_NAMES, (*k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride()), strict=True)
+        )
+        self.launch = None
+        if num_tokens:
+            self.launch = BoundLaunch(
+                write_kv_kernel,
+                (num_tokens,),
+                k.device,
+                slot_mapping=self.slot_mapping,
+                **strides,
+                page_size=k_cache.shape[1],
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                BLOCK_H=triton.next_power_of_2(num_kv_heads),
+                BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)),
+                num_warps=NUM_WARPS,
+            )
 
     def run(self, k, v, k_cache, v_cache) -> None:
         """Writes token t's K/V to its planned slot, in place."""
         self.guard.check(k=k, v=v, k_cache=k_cache, v_cache=v_cache)
-        num_tokens, num_kv_heads, head_dim = k.shape
-        if num_tokens == 0:
-            return
-        write_kv_kernel[(num_tokens,)](
-            k,
-            v,
-            k_cache,
-            v_cache,
-            self.slot_mapping,
-            *k.stride(),
-            *v.stride(),
-            *k_cache.stride(),
-            *v_cache.stride(),
-            page_size=k_cache.shape[1],
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            BLOCK_H=triton.next_power_of_2(num_kv_heads),
-            BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)),
-            num_warps=NUM_WARPS,
-        )
+        if self.launch is not None:
+            self.launch(k, v, k_cache, v_cache)
 
 
 def plan_write_kv(k, v, k_cache, v_cache, slot_mapping):

@@ -96,14 +96,26 @@ def _check_layout(layout, num_heads: int, seq_lens: list[int]) -> None:
     layout_block_mask(layout, num_heads, needed)
 
 
+# The last `_on_host` transfer: (the tensors themselves, their versions, their host copies). Held, so
+# that no other tensor can take their ids; the engine's plans of one step (one per layout) share one.
+_last_on_host: list = [(), (), []]
+
+
 def _on_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    """The int32 metadata tensors on the CPU, moved there together: one transfer, one host sync."""
+    """The int32 metadata tensors on the CPU, moved there together: one transfer, one host sync. The
+    same tensor objects, unmodified since (their version counters), as the last call's, cost none."""
     if all(t.device.type == "cpu" for t in tensors):
         return list(tensors)
+    held, versions, host = _last_on_host
+    same = len(held) == len(tensors) and all(a is b for a, b in zip(held, tensors, strict=True))
+    if same and versions == tuple(t._version for t in tensors):
+        return host
     flat = torch.cat([t.reshape(-1) for t in tensors]).cpu()
-    return [
+    host = [
         part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors, strict=True)
     ]
+    _last_on_host[:] = [tensors, tuple(t._version for t in tensors), host]
+    return host
 
 
 def _check_block_tables(table: torch.Tensor, seq_lens: list[int], page_size: int, num_pages: int) -> None:
@@ -268,6 +280,12 @@ class PlanGuard:
         for name, (t, version) in self.metadata.items():
             if t._version != version:
                 raise ValueError(f"stale plan: {name} was modified after planning; plan again")
+
+    def rebase(self) -> None:
+        """Takes the metadata as it is now for what was planned: for a caller that rewrites it in place
+        within what the plan was made for (the engine's CUDA graphs replay a plan over new metadata;
+        a backend declaring the `graphs` capability promises its plans stay right then)."""
+        self.metadata = {name: (t, t._version) for name, (t, _) in self.metadata.items()}
 
     def matches(self, **tensors: torch.Tensor) -> bool:
         """Whether `check` would pass."""

@@ -26,7 +26,7 @@ from tests.engine.test_block_pool import ModelPool
 MAX_STEPS = 20_000
 
 
-def make_llm(stream: EngineStream, *, backend="reference", caching=True, budget=None) -> LLM:
+def make_llm(stream: EngineStream, *, backend="reference", caching=True, budget=None, **options) -> LLM:
     return LLM(
         "tiny",
         page_size=stream.page_size,
@@ -37,6 +37,7 @@ def make_llm(stream: EngineStream, *, backend="reference", caching=True, budget=
         max_num_seqs=stream.max_num_seqs,
         record_logits=True,
         dtype="float32",  # the equivalence tolerance is float32's
+        **options,
     )
 
 

@@ -1,12 +1,19 @@
 """The planned path: one plan serves every layer of a step, and a stale plan is refused, never used."""
 
+import dataclasses
 import importlib
 import warnings
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
+import reference
 from harness.cases import AttentionCase, LayoutSpec, attention_args, build_inputs
+from harness.judge import judge_attention
+from harness.strategies import attention_cases
+from tests.kernels import test_paged_decode
 
 pytestmark = pytest.mark.planned
 CASE = AttentionCase(
@@ -191,3 +198,57 @@ def test_public_call_syncs_once_and_a_repeated_call_never(impl, device, op):
     cold = sum(SYNC_WARNING in str(w.message) for w in caught[:cold])
     assert cold <= 1, syncs
     assert len(syncs) == cold, syncs
+
+
+def _decode_planned_at_bounds(impl):
+    """`impl` whose paged_decode plans as the engine's decode graphs do (engine/cuda_graphs.py): over
+    every row at the block table's whole width and page 0, then runs that plan on the call's metadata
+    written into the planned tensors."""
+    plan_decode = impl.planners["plan_decode"]
+
+    def paged_decode(
+        q, k_cache, v_cache, block_tables, seq_lens, *, scale=None, layout=None, return_lse=False
+    ):
+        table = torch.zeros_like(block_tables)
+        bound = block_tables.shape[1] * k_cache.shape[1]
+        if hasattr(layout, "num_blocks"):  # a block mask of its own size (reference.BlockMaskLayout)
+            bound = min(bound, layout.num_blocks * layout.block_size)
+        lens = torch.full_like(seq_lens, bound)
+        plan = plan_decode(
+            q, k_cache, v_cache, table, lens, scale=scale, layout=layout, return_lse=return_lse
+        )
+        table.copy_(block_tables)
+        lens.copy_(seq_lens)
+        plan.guard.rebase()  # what a graph's replay does without asking
+        return plan.run(q, k_cache, v_cache)
+
+    return dataclasses.replace(impl, paged_decode=paged_decode)
+
+
+@pytest.mark.requires(graphs=True)
+@pytest.mark.operator("paged_decode")
+@given(data=st.data())
+def test_decode_plan_serves_metadata_rewritten_within_its_bounds(impl, device, expect, data):
+    """The `graphs` capability: a decode plan made for longer sequences, its metadata then rewritten in
+    place with the call's, gives the call's attention (contract §5 against the oracle)."""
+    case = data.draw(attention_cases(caps=impl.capabilities, decode=True, **test_paged_decode.CAPS))
+    expect(judge_attention(_decode_planned_at_bounds(impl), case, decode=True, device=device))
+
+
+@pytest.mark.requires(graphs=True)
+@pytest.mark.operator("paged_decode")
+def test_decode_plan_bounds_cover_an_earlier_longer_row(impl, device, expect):
+    """The rows planned for end in a block that sees only its diagonal, while the call's query sits in
+    an earlier block that sees every block before it: the plan's splits must still cover its tiles."""
+    case = test_paged_decode._case((100, 37), heads=(4, 4), head_dim=32)
+    inputs = build_inputs(case, device)
+    size = 16
+    blocks = -(-inputs["block_tables"].shape[1] * case.page_size // size)
+    mask = torch.ones(blocks, blocks, dtype=torch.bool)
+    mask[-1, :-1] = False
+    inputs["layout"] = reference.BlockMaskLayout(mask, size)
+    case = dataclasses.replace(case, layout=LayoutSpec("block_mask", size, density=1.0))
+    verdict = judge_attention(
+        _decode_planned_at_bounds(impl), case, decode=True, device=device, inputs=inputs
+    )
+    expect(verdict, single=True)

@@ -65,3 +65,15 @@ def test_non_finite_rows_are_exactly_those_that_see_it(op, entry):
 @pytest.mark.parametrize("op, entry", [p for p in _cases(NonFinite) if p.values[0] == "write_kv"])
 def test_write_kv_copies_non_finite_values(op, entry):
     assert outcome(op, entry) == "judged"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="device metadata: the host copy is kept")
+def test_metadata_modified_in_place_is_validated_again():
+    """Validation keeps its last host copy of the metadata (one layout's plan and the next share it),
+    but never for tensors written in place since."""
+    args = bad_inputs.valid_prefill_args(torch.device("cuda"))
+    ref.plan_prefill(**args)
+    ref.plan_prefill(**args)  # the kept copy
+    args["seq_lens"].fill_(10**6)  # now past what the block tables hold
+    with pytest.raises(ValueError, match="block_tables"):
+        ref.plan_prefill(**args)

@@ -1,0 +1,285 @@
+"""Host and device time of one engine step: where a step's time goes when the GPU is not the limit.
+
+Rows (GPU settings): the prefill step of an L-token prompt with share h of it cached (the step that
+samples its first token), and decode steps at batch B over C-token contexts, of the 4- and the
+32-layer model. Columns, medians over the timed steps after warm-up ones:
+    step ms     `LLM.step` wall time, host to sampled token (it ends with the sampling's device read);
+    host ms     from the step's start to its sampling (every kernel enqueued; a plan's validation sync
+                inside is host time too), unprofiled runs;
+    kernels ms  the step's device time summed over its kernels and copies (torch.profiler);
+    launches    kernel launches a step (runtime API calls, graph launches counted once);
+    host/layer  (host - launch API time) / layers, in µs: the host's own work a layer beyond the
+                launches themselves (issue 17: about 30 µs at most).
+`python3 -m reports.engine_steps [--out DIR] [--profile N]` runs the GPU settings and writes
+engine-steps.{md,json} (`--profile N`: also the N operators of most host time per row, from the
+profiler, to the log); `--smoke` a tiny CPU setting that checks the script, not the numbers.
+"""
+
+import argparse
+import json
+import math
+import pathlib
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from engine import LLM, SamplingParams
+
+LAUNCH_APIS = (
+    "cudaLaunchKernel",
+    "cuLaunchKernel",
+    "cuLaunchKernelEx",
+    "cudaLaunchKernelExC",
+    "cudaGraphLaunch",
+)
+
+
+@dataclass(frozen=True)
+class Row:
+    model: str
+    kind: str  # "prefill" or "decode"
+    tokens: int  # prefill: prompt length; decode: context length
+    share: float = 0.0  # prefill: the share of the prompt cached
+    batch: int = 1  # decode: sequences a step
+    eager: bool = False  # LLM(enforce_eager=...): no CUDA graphs
+
+
+GPU_ROWS = tuple(
+    Row(*args, eager=eager)
+    for args in (
+        ("phi3-small-attn", "prefill", 2048, 0.0),
+        ("phi3-small-attn", "prefill", 2048, 0.9),
+        ("phi3-small", "prefill", 2048, 0.0),
+        ("phi3-small", "prefill", 2048, 0.9),
+        ("phi3-small", "prefill", 8192, 0.9),
+        ("phi3-small", "decode", 1024, 0.0, 1),
+        ("phi3-small", "decode", 1024, 0.0, 64),
+    )
+    for eager in (False, True)
+)
+SMOKE_ROWS = (Row("tiny", "prefill", 64, 0.5, eager=True), Row("tiny", "decode", 48, batch=4, eager=True))
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class StepClock:
+    """Stamps where an engine's step spends its host time: it wraps the scheduler's `schedule` and
+    `postprocess`, the runner's `prepare` and sampler, and the backend's planners, and stamps the moment
+    a step reaches its sampler (every kernel enqueued). What the phases leave of a step's host time is
+    the forward pass's own: the layers (or their graphs' replays) and the attention runs."""
+
+    PHASES = ("schedule", "prepare", "plans", "sample", "postprocess")
+
+    def __init__(self, llm: LLM):
+        self.reached = None
+        self.phases = dict.fromkeys(self.PHASES, 0.0)
+        self._wrap(llm.scheduler, "schedule", "schedule")
+        self._wrap(llm.scheduler, "postprocess", "postprocess")
+        self._wrap(llm.runner, "prepare", "prepare")
+        self._wrap(llm.runner, "_sample", "sample", stamp=True)
+        planners = llm.runner.ops.planners
+        for name, planner in list(planners.items()):
+            planners[name] = self._timed(planner, "plans")
+
+    def _timed(self, fn, phase: str, stamp: bool = False):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            if stamp:
+                self.reached = start
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.phases[phase] += time.perf_counter() - start
+
+        return timed
+
+    def _wrap(self, owner, name: str, phase: str, stamp: bool = False) -> None:
+        setattr(owner, name, self._timed(getattr(owner, name), phase, stamp))
+
+    def step(self, llm: LLM) -> tuple[float, float, dict]:
+        """(host ms, step ms, the phases' ms) of one `llm.step()`."""
+        _sync()
+        self.phases = dict.fromkeys(self.PHASES, 0.0)
+        start = time.perf_counter()
+        llm.step()
+        end = time.perf_counter()
+        return (self.reached - start) * 1e3, (end - start) * 1e3, {k: v * 1e3 for k, v in self.phases.items()}
+
+
+def _engine(row: Row) -> LLM:
+    options = dict(enforce_eager=row.eager)
+    if row.kind == "prefill":
+        pages = 2 * math.ceil(row.tokens / 16) + 8
+        return LLM(row.model, num_pages=pages, max_num_batched_tokens=row.tokens, max_num_seqs=4, **options)
+    pages = row.batch * math.ceil((row.tokens + 64) / 16) + 8
+    budget = max(row.tokens, min(16384, row.batch * row.tokens))
+    return LLM(row.model, num_pages=pages, max_num_batched_tokens=budget, max_num_seqs=row.batch, **options)
+
+
+def _prefill_steps(llm: LLM, row: Row, runs: int):
+    """Yields before each timed prefill step, the cache warmed with the prompt's shared prefix."""
+    vocab, prefix = llm.args.vocab_size, int(row.share * row.tokens)
+    for run in range(runs):
+        rng = random.Random(run)
+        prompt = [rng.randrange(vocab) for _ in range(row.tokens)]
+        llm.reset_prefix_cache()
+        if prefix:
+            llm.generate([prompt[:prefix]], SamplingParams(max_tokens=1))
+        rid = llm.add_request(prompt, SamplingParams(max_tokens=1))
+        yield
+        llm.take_output(rid)
+
+
+def _decode_steps(llm: LLM, row: Row, runs: int):
+    """Yields before each timed decode step of `row.batch` sequences of about `row.tokens` tokens."""
+    rng = random.Random(0)
+    vocab = llm.args.vocab_size
+    for i in range(row.batch):
+        llm.add_request(
+            [rng.randrange(vocab) for _ in range(row.tokens - i % 8)], SamplingParams(max_tokens=runs + 8)
+        )
+    sched = llm.scheduler
+    while sched.waiting or any(seq.num_uncomputed_tokens > 1 for seq in sched.running):
+        llm.step()  # prefill chunks
+    for _ in range(runs):
+        yield
+    llm.abort(range(row.batch))
+
+
+def _steps(llm: LLM, row: Row, runs: int):
+    return _prefill_steps(llm, row, runs) if row.kind == "prefill" else _decode_steps(llm, row, runs)
+
+
+def _device_profile(llm: LLM, row: Row, steps: int, top: int) -> tuple[float, float, float, str]:
+    """(device ms, launch API ms, launches) a step, each step profiled on its own, and with `top` the
+    operators of most host time and a cProfile of the same steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    clock = StepClock(llm)
+    device = api_ms = count = 0.0
+    tables = []
+    for _ in _steps(llm, row, steps):
+        with profile(activities=activities) as prof:
+            clock.step(llm)
+        events = prof.key_averages()
+        device += sum(getattr(e, "self_device_time_total", 0.0) for e in events) / 1e3 / steps
+        launches = [e for e in events if e.key in LAUNCH_APIS]
+        api_ms += sum(e.self_cpu_time_total for e in launches) / 1e3 / steps
+        count += sum(e.count for e in launches) / steps
+        if top and not tables:
+            tables.append(events.table(sort_by="self_cpu_time_total", row_limit=top))
+    if top:  # the Python side of the same kind of steps
+        import cProfile
+        import io
+        import pstats
+
+        python = cProfile.Profile()
+        for _ in _steps(llm, row, steps):
+            python.enable()
+            clock.step(llm)
+            python.disable()
+        text = io.StringIO()
+        pstats.Stats(python, stream=text).sort_stats("tottime").print_stats(top)
+        tables.append(text.getvalue())
+    return device, api_ms, count, "\n".join(tables)
+
+
+def measure(row: Row, warmup: int, runs: int, top: int) -> dict:
+    llm = _engine(row)
+    clock = StepClock(llm)
+    host, wall, phases = [], [], []
+    for i, _ in enumerate(_steps(llm, row, warmup + runs)):
+        h, w, ph = clock.step(llm)
+        if i >= warmup:
+            host.append(h)
+            wall.append(w)
+            phases.append(ph)
+    device, api_ms, launches, table = _device_profile(llm, row, 3, top)
+    n_layers = llm.args.n_layers
+    host_ms, step_ms = statistics.median(host), statistics.median(wall)
+    result = dict(
+        asdict(row),
+        layers=n_layers,
+        step_ms=step_ms,
+        host_ms=host_ms,
+        kernels_ms=device,
+        launches=launches,
+        launch_api_ms=api_ms,
+        host_per_layer_us=(host_ms - api_ms) / n_layers * 1e3,
+        phases_ms={k: statistics.median(p[k] for p in phases) for k in StepClock.PHASES},
+        step_over_kernels=step_ms / device if device else math.nan,
+        host_runs=host,
+        step_runs=wall,
+    )
+    del llm
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result, table
+
+
+def write_markdown(path: pathlib.Path, rows: list[dict], env: str) -> None:
+    lines = [
+        "# Engine step: host and device time",
+        "",
+        env,
+        "",
+        "| model | step | tokens | h / batch | graphs | step ms | host ms | kernels ms | step / kernels | "
+        "launches | launch API ms | host/layer beyond launches µs | host ms: schedule / prepare / plans / "
+        "sample / postprocess |",
+        "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in rows:
+        which = f"h {r['share']:.2f}" if r["kind"] == "prefill" else f"B {r['batch']}"
+        lines.append(
+            f"| {r['model']} | {r['kind']} | {r['tokens']} | {which} | {'no' if r['eager'] else 'yes'} | "
+            f"{r['step_ms']:.2f} | {r['host_ms']:.2f} | "
+            f"{r['kernels_ms']:.3f} | {r['step_over_kernels']:.2f} | {r['launches']:.0f} | "
+            f"{r['launch_api_ms']:.2f} | {r['host_per_layer_us']:.0f} | "
+            f"{' / '.join(f'{v:.2f}' for v in r['phases_ms'].values())} |"
+        )
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("reports/gpu"))
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--profile", type=int, default=0, help="print this many operators a row")
+    parser.add_argument("--runs", type=int, default=5)
+    args = parser.parse_args(argv)
+    smoke = args.smoke or not torch.cuda.is_available()
+    rows = SMOKE_ROWS if smoke else GPU_ROWS
+    results = []
+    for row in rows:
+        result, table = measure(
+            row, warmup=1 if smoke else 2, runs=2 if smoke else args.runs, top=args.profile
+        )
+        results.append(result)
+        print(json.dumps({k: v for k, v in result.items() if not k.endswith("_runs")}), flush=True)
+        if table:
+            print(table, flush=True)
+    import triton
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    env = (
+        f"Device: {device}; torch {torch.__version__}, triton {triton.__version__}; "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. `python3 -m reports.engine_steps`."
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "engine-steps.json").write_text(
+        json.dumps(dict(environment=env, rows=results), indent=2) + "\n"
+    )
+    write_markdown(args.out / "engine-steps.md", results, env)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""The engine's graphs (engine/cuda_graphs.py) against its eager steps, by the cold-vs-warm rule.
+
+On a GPU the engine replays real CUDA graphs (its default); without one, `rerun_capture` stands in: a
+replay runs the step again over the plans made at capture, their metadata rewritten in place, which
+is what a graph's launches read. Either way the runs with graphs, prefix caching on and off, must
+pass harness/engine_check.py's rule against an eager run without caching.
+"""
+
+import torch
+from hypothesis import event, given
+
+from engine import LLM, SamplingParams
+from engine.cuda_graphs import StepGraphs, buckets, rerun_capture
+from tests.budgets import examples
+from tests.engine.test_engine import TRITON_STREAMS, assert_equivalent, make_llm, run_stream
+
+
+def with_graphs(llm: LLM) -> LLM:
+    """`llm` replaying graphs: CUDA graphs on a GPU, the stand-in without one."""
+    if llm.runner.graphs is None:
+        assert not torch.cuda.is_available(), "the engine runs eagerly on a GPU by default"
+        llm.runner.graphs = StepGraphs(llm.runner, whole_decode=True, capture=rerun_capture)
+    return llm
+
+
+def used(llm: LLM) -> tuple[int, int]:
+    """(decode graphs, piece-graph buckets) that the engine captured."""
+    return len(llm.runner.graphs.decode), len(llm.runner.graphs.pieces)
+
+
+@examples(0.05)
+@given(stream=TRITON_STREAMS)
+def test_graph_steps_equal_eager_steps(stream):
+    cold = run_stream(make_llm(stream, backend="triton", caching=False, enforce_eager=True), stream)
+    for caching in (True, False):
+        llm = with_graphs(make_llm(stream, backend="triton", caching=caching))
+        assert_equivalent(run_stream(llm, stream), cold)
+        decode, pieces = used(llm)
+        assert pieces, "no step ran through the piece graphs"
+        event(f"decode graphs used: {decode > 0}")
+
+
+def test_graphs_pad_rows_and_share_buckets():
+    """Prompts of several lengths under a small token budget: prefill steps of fewer tokens than an
+    earlier one in the same bucket (its rows' stale slots must write nothing), and decode steps of
+    fewer rows than their bucket (the padding rows)."""
+    prompts = [list(range(1, 12)), list(range(1, 10)) + [3], [5] * 30, [7] * 50]
+    options = dict(
+        backend="triton", num_pages=40, page_size=8, max_num_seqs=3, max_num_batched_tokens=40,
+        record_logits=True, dtype="float32",
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=5)
+    cold = LLM("tiny", enable_prefix_caching=False, enforce_eager=True, **options).generate(prompts, params)
+    llm = with_graphs(LLM("tiny", **options))
+    assert_equivalent(llm.generate(prompts, params), cold)
+    assert_equivalent(llm.generate(prompts, params), cold)  # prefix-cache hits, graphs reused
+    decode = sorted(llm.runner.graphs.decode)
+    assert decode and any(rows > 1 for rows, _ in decode), decode
+    assert len(llm.runner.graphs.pieces) >= 2
+
+
+def test_backend_without_the_graphs_capability_decodes_eagerly():
+    """The reference backend's plans copy their metadata at planning: no decode graph, and the piece
+    graphs leave K/V writes to its eager write_kv."""
+    llm = LLM("tiny", backend="reference", num_pages=16, dtype="float32")
+    graphs = StepGraphs(llm.runner, whole_decode=llm.runner.ops.capabilities.graphs, capture=rerun_capture)
+    llm.runner.graphs = graphs
+    eager = LLM("tiny", backend="reference", num_pages=16, dtype="float32", enforce_eager=True)
+    params = SamplingParams(max_tokens=3)
+    assert llm.generate([[1, 2, 3]], params)[0].token_ids == eager.generate([[1, 2, 3]], params)[0].token_ids
+    assert not graphs.decode and graphs.pieces and not next(iter(graphs.pieces.values())).write_kv
+
+
+def test_buckets():
+    assert buckets(1) == [1]
+    assert buckets(5) == [1, 2, 4, 5]
+    assert buckets(512, 256) == [256, 512]
+    assert buckets(300, 256) == [256, 300]
+
+
+def test_piece_graph_padding_rows_write_no_kv():
+    """A prefill of fewer tokens than an earlier one of its bucket, into pages that the earlier request
+    held: the earlier rows left in the bucket must not write their K/V over the new request's."""
+    options = dict(backend="triton", num_pages=8, page_size=8, max_num_batched_tokens=40, dtype="float32")
+    params = SamplingParams(max_tokens=2)
+    prompts = [[3] * 30, [4] * 20, [5] * 20]  # each prompt's pages come from the ones freed before it
+    eager = LLM("tiny", enforce_eager=True, record_logits=True, enable_prefix_caching=False, **options)
+    llm = with_graphs(LLM("tiny", record_logits=True, **options))
+    for prompt in prompts:
+        assert_equivalent(llm.generate([prompt], params), eager.generate([prompt], params))
+    assert sorted(llm.runner.graphs.pieces) == [32]
