@@ -159,6 +159,7 @@ def _steps(llm: LLM, row: Row, runs: int):
 def _device_profile(llm: LLM, row: Row, steps: int, top: int) -> tuple[float, float, float, str]:
     """(device ms, launch API ms, launches) a step, each step profiled on its own, and with `top` the
     operators of most host time and a cProfile of the same steps."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -169,7 +170,10 @@ def _device_profile(llm: LLM, row: Row, steps: int, top: int) -> tuple[float, fl
         with profile(activities=activities) as prof:
             clock.step(llm)
         events = prof.key_averages()
-        device += sum(getattr(e, "self_device_time_total", 0.0) for e in events) / 1e3 / steps
+        # The device's own events (kernels, copies): an operator's entry repeats its kernels' time.
+        device += (
+            sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / 1e3 / steps
+        )
         launches = [e for e in events if e.key in LAUNCH_APIS]
         api_ms += sum(e.self_cpu_time_total for e in launches) / 1e3 / steps
         count += sum(e.count for e in launches) / steps
