@@ -232,7 +232,7 @@ class PieceGraphs:
 
 class StepGraphs:
     """A runner's graphs, captured on first use, sharing one memory pool: decode steps whole (a backend
-    with the `graphs` capability), other steps of at most PIECE_MAX_TOKENS tokens piece by piece.
+    with the `graphs` capability), other steps of at most PIECE_TOKEN_BUCKETS[-1] tokens piece by piece.
 
     Sharing the pool is safe because every output of a graph that a step reads is written earlier in
     the same step: a replay may overwrite only the outputs of graphs captured after it.
