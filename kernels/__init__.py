@@ -19,11 +19,4 @@ warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\.runt
 # steps may run as CUDA graphs; kernels/paged_decode.py plans splits for any sequence up to the longest).
 capabilities = {"graphs": True}
 
-__all__ = [
-    "paged_decode",
-    "paged_prefill",
-    "plan_decode",
-    "plan_prefill",
-    "plan_write_kv",
-    "write_kv",
-]
+__all__ = ["paged_decode", "paged_prefill", "plan_decode", "plan_prefill", "plan_write_kv", "write_kv"]

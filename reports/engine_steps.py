@@ -2,14 +2,18 @@
 
 Rows (GPU settings): the prefill step of an L-token prompt with share h of it cached (the step that
 samples its first token), and decode steps at batch B over C-token contexts, of the 4- and the
-32-layer model. Columns, medians over the timed steps after warm-up ones:
+32-layer model, each twice in one process: CUDA graphs on (the engine's default) and off
+(`enforce_eager`), the A/B of engine/cuda_graphs.py. Columns, medians over the timed steps after
+warm-up ones:
     step ms     `LLM.step` wall time, host to sampled token (it ends with the sampling's device read);
     host ms     from the step's start to its sampling (every kernel enqueued; a plan's validation sync
                 inside is host time too), unprofiled runs;
     kernels ms  the step's device time summed over its kernels and copies (torch.profiler);
     launches    kernel launches a step (runtime API calls, graph launches counted once);
     host/layer  (host - launch API time) / layers, in µs: the host's own work a layer beyond the
-                launches themselves (issue 17: about 30 µs at most).
+                launches themselves (issue 17: about 30 µs at most);
+    phases      the host's ms in the scheduler, `prepare`, the plans, the sampler (its wait for the
+                device included) and `postprocess` (`StepClock`).
 `python3 -m reports.engine_steps [--out DIR] [--profile N]` runs the GPU settings and writes
 engine-steps.{md,json} (`--profile N`: also the N operators of most host time per row, from the
 profiler, to the log); `--smoke` a tiny CPU setting that checks the script, not the numbers.
