@@ -160,14 +160,15 @@ def _steps(llm: LLM, row: Row, runs: int):
     return _prefill_steps(llm, row, runs) if row.kind == "prefill" else _decode_steps(llm, row, runs)
 
 
-def _device_profile(llm: LLM, row: Row, steps: int, top: int) -> tuple[float, float, float, str]:
+def _device_profile(
+    llm: LLM, clock: StepClock, row: Row, steps: int, top: int
+) -> tuple[float, float, float, str]:
     """(device ms, launch API ms, launches) a step, each step profiled on its own, and with `top` the
     operators of most host time and a cProfile of the same steps."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    clock = StepClock(llm)
     device = api_ms = count = 0.0
     tables = []
     for _ in _steps(llm, row, steps):
@@ -209,7 +210,7 @@ def measure(row: Row, warmup: int, runs: int, top: int) -> dict:
             host.append(h)
             wall.append(w)
             phases.append(ph)
-    device, api_ms, launches, table = _device_profile(llm, row, 3, top)
+    device, api_ms, launches, table = _device_profile(llm, clock, row, 3, top)
     n_layers = llm.args.n_layers
     host_ms, step_ms = statistics.median(host), statistics.median(wall)
     result = dict(
