@@ -20,16 +20,21 @@ runs every step eagerly.
 """
 
 import functools
+import struct
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
+from engine.model import greedy_pairs
+
 # Contexts below this share one bucket: a graph per power of two above it.
 MIN_CONTEXT_BUCKET = 256
-# Token buckets of the piece graphs: powers of two, then steps of 256 (a padded row costs GEMM time,
-# and a step of more tokens than the last is GPU-bound anyway).
-PIECE_TOKEN_BUCKETS = (16, 32, 64, 128, 256, *range(512, 2049, 256))
+# Token buckets of the piece graphs: steps of 16 up to 256, of 64 up to 1024, then of 256 (a padded row
+# costs GEMM time: 208 tokens padded to 256 took 0.9 ms more of the 32-layer model's 5.8, 832 to 1024
+# 3.8 ms more of 16.7; a step of more tokens than the last is GPU-bound anyway). Each bucket used keeps
+# its pieces' outputs, about 20 KB a token a layer of the 32-layer model (11 GB if all are used).
+PIECE_TOKEN_BUCKETS = (*range(16, 256, 16), *range(256, 1024, 64), *range(1024, 2049, 256))
 ALIGN = 16  # bytes: each field of the static buffer starts aligned, as the kernels' specialization prefers
 
 
@@ -55,6 +60,19 @@ def rerun_capture(forward: Callable[[], tuple[torch.Tensor, ...]], pool, plans: 
             old.copy_(new)
 
     return replay, out
+
+
+def segments(num_layers: int) -> list[range]:
+    """The layers of a decode step's graphs: 1, 2, 4, ... layers each. The GPU starts on a graph only
+    once its launch has returned, about 3 µs a kernel on the H200's host (reports/gpu/engine-steps.md),
+    so a small first graph starts the device early and each later one is launched while the device
+    runs the one before, whose layers take longer than the launch of twice as many."""
+    out, start = [], 0
+    while start < num_layers:
+        stop = min(2 * start + 1, num_layers)
+        out.append(range(start, stop))
+        start = stop
+    return out
 
 
 def buckets(largest: int, smallest: int = 1) -> list[int]:
@@ -88,9 +106,13 @@ class DecodeGraph:
             spans[name] = (size, dtype, n)
             size += n * dtype.itemsize
         pinned = device.type == "cuda"
+        # Packed in ordinary memory, then copied whole into pinned memory for the asynchronous copy:
+        # the fields' element by element writes (and `+=`'s reads) into the pinned buffer itself took
+        # 0.3-0.6 ms a step on the H200's host.
+        self.staging = torch.zeros(size, dtype=torch.uint8)
         self.host = torch.zeros(size, dtype=torch.uint8, pin_memory=pinned)
         self.static = torch.zeros(size, dtype=torch.uint8, device=device)
-        host = self.host.numpy()
+        host = self.staging.numpy()
         self.fields = {
             name: host[at : at + n * dtype.itemsize].view(np.dtype(str(dtype).removeprefix("torch.")))
             for name, (at, dtype, n) in spans.items()
@@ -113,49 +135,70 @@ class DecodeGraph:
         )
         # Held by the graph's object: a replay reads whatever memory it was captured with.
         self.rows = torch.arange(batch, device=device)
+        model = runner.model
+        attend = lambda i, q, k, v: runner.attend(self.meta, i, q, k, v)  # noqa: E731
 
-        def forward():
-            attend = lambda i, q, k, v: runner.attend(self.meta, i, q, k, v)  # noqa: E731
-            return (runner.model(dev["input_ids"], dev["positions"], attend, self.rows),)
+        def piece(layers: range, last: bool, inputs: tuple):  # inputs: (h, cos, sin), none for the first
+            h, *rope = inputs or (model.embed(dev["input_ids"]), *model.rope_rows(dev["positions"]))
+            h = model.run_layers(h, rope, attend, layers)
+            if not last:
+                return (h, *rope)
+            logits = model.logits(h[self.rows])
+            return logits, greedy_pairs(logits)
 
         # Every row a sequence of the whole context over page 0 that writes nothing: the plans made by
         # this eager run cover any step of the bucket.
         self._write([], pad_len=context)
-        forward()
+        model(dev["input_ids"], dev["positions"], attend, self.rows)
         if pinned:
             torch.cuda.synchronize(device)
-        self.replay, (self.logits,) = capture(forward, pool, self.meta.plans)
+        parts = segments(len(model.layers))
+        self.replays, out = [], ()
+        for j, layers in enumerate(parts):
+            replay, out = capture(
+                functools.partial(piece, layers, j == len(parts) - 1, out), pool, self.meta.plans
+            )
+            self.replays.append(replay)
+        self.logits, self.pairs = out
 
     def _write(self, batch, pad_len: int = 1) -> None:
         """Packs the rows of `batch` (ScheduledSeq, one token each), then padding, and copies them in."""
-        if self.copied is not None:
-            self.copied.synchronize()  # the last step's copy has left the pinned buffer
-        f, page, n = self.fields, self.page, len(batch)
-        positions = [item.seq.num_computed_tokens for item in batch]
-        f["input_ids"][:n] = [item.seq.token_ids[p] for item, p in zip(batch, positions, strict=True)]
+        f, page, width, n = self.fields, self.page, self.width, len(batch)
+        ids, positions, slots, tables = [], [], [], []
+        for item in batch:
+            seq = item.seq
+            p, table = seq.num_computed_tokens, seq.block_table
+            ids.append(seq.token_ids[p])
+            positions.append(p)
+            slots.append(table[p // page] * page + p % page)
+            tables += table[:width]
+            tables += [0] * (width - len(table))
+        f["input_ids"][:n] = ids
         f["positions"][:n] = positions
-        f["slots"][:n] = [
-            item.seq.block_table[p // page] * page + p % page
-            for item, p in zip(batch, positions, strict=True)
-        ]
-        f["seq_lens"][:n] = [p + 1 for p in positions]
-        for row, item in enumerate(batch):
-            table = item.seq.block_table[: self.width]
-            self.tables[row, : len(table)] = table
+        f["slots"][:n] = slots
+        f["seq_lens"][:n] = positions
+        f["seq_lens"][:n] += 1
+        # struct converts a table's Python ints several times faster than numpy does.
+        self.tables[:n] = np.frombuffer(struct.pack(f"<{len(tables)}i", *tables), np.int32).reshape(n, width)
         f["input_ids"][n:] = 0
         f["positions"][n:] = 0
         f["slots"][n:] = -1
         f["seq_lens"][n:] = pad_len
         self.tables[n:] = 0
+        if self.copied is not None:
+            self.copied.synchronize()  # the last step's copy has left the pinned buffer
+        self.host.copy_(self.staging)
         self.static.copy_(self.host, non_blocking=True)
         if self.copied is not None:
             self.copied.record()
 
-    def run(self, batch) -> torch.Tensor:
-        """Logits float32 [len(batch), vocab_size] of a decode step of at most `self.batch` rows."""
+    def run(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits float32 [len(batch), vocab_size] of a decode step of at most `self.batch` rows, and
+        their `greedy_pairs` [len(batch), 2]."""
         self._write(batch)
-        self.replay()
-        return self.logits[: len(batch)]
+        for replay in self.replays:
+            replay()
+        return self.logits[: len(batch)], self.pairs[: len(batch)]
 
 
 class PieceGraphs:
@@ -251,9 +294,9 @@ class StepGraphs:
         self.decode: dict[tuple[int, int], DecodeGraph] = {}
         self.pieces: dict[int, PieceGraphs] = {}
 
-    def decode_logits(self, batch) -> torch.Tensor | None:
-        """Logits float32 [len(batch), vocab_size] when every row of `batch` is one query token (a graph
-        replay), else None."""
+    def decode_logits(self, batch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Logits float32 [len(batch), vocab_size] and their `greedy_pairs` when every row of `batch` is
+        one query token (graph replays), else None."""
         if not self.whole_decode or any(item.num_tokens != 1 for item in batch):
             return None
         if len(batch) > self.batch_buckets[-1]:

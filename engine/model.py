@@ -110,20 +110,25 @@ class ModelArgs:
 
 
 def rope_tables(max_positions: int, head_dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotary angles of positions 0 .. max_positions - 1: float32
-    [max_positions, head_dim // 2] each, built once per model so that a step only gathers its rows."""
+    """The rotary factors of positions 0 .. max_positions - 1, float32 [max_positions, head_dim] each,
+    built once per model so that a step only gathers its rows: cos of pair j's angle at columns j and
+    j + head_dim // 2, and its sin at column j + head_dim // 2 and negated at column j (`rotary`)."""
     half = head_dim // 2
     inv_freq = base ** (-torch.arange(half, device=device, dtype=torch.float32) / half)
     angles = torch.arange(max_positions, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    return angles.cos(), angles.sin()
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x: [num_tokens, num_heads, head_dim]; cos, sin: float32
-    [num_tokens, 1, head_dim // 2] (rows of `rope_tables`)."""
+    """Rotate-half RoPE, pair j being (x_j, x_{j + head_dim // 2}). x: [num_tokens, num_heads, head_dim];
+    cos, sin: float32 [num_tokens, 1, head_dim] (rows of `rope_tables`).
+
+    x * cos + roll(x) * sin is (x1 cos - x2 sin, x2 cos + x1 sin) bit for bit (a - b = a + (-b)), in
+    six elementwise launches where the halves taken apart needed ten."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    xf = x.float()
+    return (xf * cos + xf.roll(half, dims=-1) * sin).to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -144,8 +149,8 @@ class DecoderLayer(nn.Module):
         a = self.args
         q_size, kv_size = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
         qkv = self.qkv(self.attn_norm(h))
-        # q's and k's columns are adjacent: one rotary call turns both (its dozen elementwise launches
-        # once a layer, not twice), element for element as two calls would.
+        # q's and k's columns are adjacent: one rotary call turns both (its elementwise launches once
+        # a layer, not twice), element for element as two calls would.
         qk = rotary(qkv[:, : q_size + kv_size].reshape(-1, a.n_heads + a.n_kv_heads, a.head_dim), *rope)
         q, k = qk.split([a.n_heads, a.n_kv_heads], dim=1)
         # q contiguous here, so that a graph of this (engine/cuda_graphs.py) makes the copy attention needs.
@@ -209,17 +214,32 @@ class Decoder(nn.Module):
             float32 [num_samples, vocab_size].
         """
         h, rope = self.embed(input_ids), self.rope_rows(positions)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, rope, lambda q, k, v, i=i: attend(i, q, k, v))
+        h = self.run_layers(h, rope, attend, range(len(self.layers)))
         return self.logits(h[logits_index])
 
     @torch.no_grad()
+    def run_layers(self, h, rope: tuple[torch.Tensor, torch.Tensor], attend: Callable, layers: range):
+        """Hidden states [num_tokens, dim] after `layers` (consecutive indices) from their input h, with
+        rope from `rope_rows` and `attend` as `forward` takes it."""
+        for i in layers:
+            h = self.layers[i](h, rope, lambda q, k, v, i=i: attend(i, q, k, v))
+        return h
+
+    @torch.no_grad()
     def rope_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin float32 [num_tokens, 1, head_dim // 2] of int64 positions [num_tokens], gathered
-        once for every layer's q and k."""
+        """cos and sin float32 [num_tokens, 1, head_dim] (`rope_tables`) of int64 positions
+        [num_tokens], gathered once for every layer's q and k."""
         return tuple(table[positions].unsqueeze(1) for table in self.rope)
 
     @torch.no_grad()
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """float32 [rows, vocab_size] of the last layer's hidden states h [rows, dim]."""
         return self.lm_head(self.norm(h)).float()
+
+
+def greedy_pairs(logits: torch.Tensor) -> torch.Tensor:
+    """float64 [rows, 2]: each row's argmax token and its logprob, of logits float32 [rows, vocab_size]
+    (float64 holds every token id and float32 logprob exactly)."""
+    tokens = torch.argmax(logits, dim=-1)
+    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None])[:, 0]
+    return torch.stack((tokens.double(), logprobs.double()), dim=1)

@@ -18,7 +18,7 @@ import torch
 from backends import registry
 from engine.config import EngineConfig
 from engine.cuda_graphs import StepGraphs
-from engine.model import Decoder, ModelArgs
+from engine.model import Decoder, ModelArgs, greedy_pairs
 from engine.sequence import Sequence
 
 
@@ -155,7 +155,7 @@ class ModelRunner:
         )
         with self.device:  # build the layers on the device: no large CPU init for big configs
             # No sequence outgrows the cache, so its positions stay below num_pages * page_size; the
-            # rotary tables then take 4 * head_dim bytes a position, a few percent of its KV.
+            # rotary tables then take 8 * head_dim bytes a position, a few percent of its KV.
             capacity = config.num_pages * config.page_size
             self.model = Decoder(args, capacity).init_weights(config.seed, self.device, self.dtype)
         shape = (config.num_pages, config.page_size, args.n_kv_heads, args.head_dim)
@@ -249,11 +249,14 @@ class ModelRunner:
 
     def run(self, batch: list[ScheduledSeq]) -> list[Sample | None]:
         """One forward pass over `batch`; a Sample for every row whose chunk reaches its last token."""
-        logits = None if self.graphs is None else self.graphs.decode_logits(batch)
-        if logits is not None:  # every row one query token, replayed as one graph
+        replayed = None if self.graphs is None else self.graphs.decode_logits(batch)
+        pairs = None
+        if replayed is not None:  # every row one query token, replayed as graphs
+            logits, pairs = replayed
             order, ordered = range(len(batch)), batch
             sampling = [j for j, item in enumerate(batch) if item.samples]
-            logits = logits if len(sampling) == len(batch) else logits[sampling]
+            if len(sampling) != len(batch):
+                logits, pairs = logits[sampling], pairs[sampling]
         else:
             order = sorted(range(len(batch)), key=lambda i: batch[i].num_tokens != 1)  # stable
             ordered = [batch[i] for i in order]
@@ -269,25 +272,26 @@ class ModelRunner:
                 logits = self.model.logits(h[sample_rows])
         samples: list[Sample | None] = [None] * len(batch)
         temperatures = [ordered[j].seq.params.temperature for j in sampling]
-        for j, sample in zip(sampling, self._sample(logits, temperatures), strict=True):
+        for j, sample in zip(sampling, self._sample(logits, temperatures, pairs), strict=True):
             samples[order[j]] = sample
         return samples
 
-    def _sample(self, logits: torch.Tensor, temperatures: list[float]) -> list[Sample]:
+    def _sample(self, logits: torch.Tensor, temperatures: list[float], pairs=None) -> list[Sample]:
         """One Sample per row of logits [num_samples, vocab_size]. Greedy rows are taken together
-        with one device-to-host copy for the step (a read per row was two syncs per sequence); the
-        others draw from the runner's generator row by row, in order."""
+        with one device-to-host copy for the step (a read per row was two syncs per sequence), from
+        `pairs` (`greedy_pairs` of these logits, made by a graph) when given; the others draw from the
+        runner's generator row by row, in order."""
         # A copy even on the CPU: a graph step's logits are its static output, rewritten next step.
         kept = logits.to("cpu", copy=True) if self.config.record_logits else None
         out: list[Sample | None] = [None] * len(temperatures)
         greedy = [r for r, t in enumerate(temperatures) if t == 0.0]
         if greedy:
-            rows = logits if len(greedy) == len(temperatures) else logits[greedy]
-            tokens = torch.argmax(rows, dim=-1)
-            logprobs = torch.log_softmax(rows, dim=-1).gather(-1, tokens[:, None])[:, 0]
-            # float64 holds every token id and float32 logprob exactly.
-            pairs = torch.stack((tokens.double(), logprobs.double()), dim=1).tolist()
-            for r, (token, logprob) in zip(greedy, pairs, strict=True):
+            every = len(greedy) == len(temperatures)
+            if pairs is None:
+                pairs = greedy_pairs(logits if every else logits[greedy])
+            elif not every:
+                pairs = pairs[greedy]
+            for r, (token, logprob) in zip(greedy, pairs.tolist(), strict=True):
                 out[r] = Sample(int(token), logprob, None if kept is None else kept[r])
         for r, temperature in enumerate(temperatures):
             if temperature != 0.0:

@@ -15,6 +15,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import BaseBackend
 
 from kernels import tile_lists
 
@@ -96,7 +98,8 @@ def scores_in_float64(dtype: torch.dtype) -> bool:
 
 def padded_head_dim(head_dim: int) -> int:
     """Head dims that are not powers of two are padded (and masked) to the next power of two."""
-    return max(MIN_DOT, triton.next_power_of_2(head_dim))
+    # Not triton.next_power_of_2: a JIT-wrapped callable, ~10 µs a call on the host (twice a plan).
+    return max(MIN_DOT, 1 << (head_dim - 1).bit_length())
 
 
 def cdiv(a: int, b: int) -> int:
@@ -136,16 +139,50 @@ class LastPlan:
         return last.run(q, k_cache, v_cache)
 
 
+def planned_specialization(kernel, planned: dict) -> tuple:
+    """What Triton's binder makes of a launch's planned arguments (`JITFunction.run`): constexprs by
+    value, the others as `native_specialize_impl` classes them (type, and 1 / divisible by 16 /
+    16-byte aligned), and the launch options by value. Two plans of one kernel that agree on this, and
+    whose per-run tensors agree on dtype and alignment, get the same compiled kernel."""
+    spec = []
+    for param in kernel.params:
+        if param.name not in planned:
+            continue
+        value = planned[param.name]
+        if param.is_constexpr:
+            spec.append((param.name, value))
+        else:
+            spec.append(
+                native_specialize_impl(
+                    BaseBackend,
+                    value,
+                    param.is_const,
+                    not param.do_not_specialize,
+                    not param.do_not_specialize_on_alignment,
+                )  # fmt: skip
+            )
+    names = set(kernel.arg_names)
+    spec += sorted((name, value) for name, value in planned.items() if name not in names)
+    return tuple(spec)
+
+
+# (kernel, device, planned_specialization, per-run tensors' dtypes and alignments) -> compiled kernel,
+# shared by every BoundLaunch: an engine plans anew each step, and a plan's first launch through
+# `kernel[grid]` took 0.1-0.2 ms of host time on the H200's host.
+_COMPILED: dict = {}
+
+
 class BoundLaunch:
     """One kernel launch of a plan: the grid and the planned arguments bound once, the per-run tensors
     (the kernel's first parameters) passed by position at each call; `device` is the plan's.
 
-    On the GPU a call reuses the compiled kernel of an earlier call whose tensors Triton would
-    specialize alike (dtype and 16-byte alignment, on the same current device) and launches it
-    itself, as `JITFunction.run` would after binding the arguments: that binding took 30-45 µs of a
-    launch on the H200 (reports/gpu/kernel-ab.md). Any other call, and every call under the
-    interpreter, goes through `kernel[grid]`, which compiles what it must. Triton's launch hooks
-    (profilers) still see every launch.
+    On the GPU a call reuses the compiled kernel of an earlier call, of this plan or another, that
+    Triton would specialize alike (`planned_specialization`, the tensors' dtypes and 16-byte
+    alignment, the same current device) and launches it itself, as `JITFunction.run` would after
+    binding the arguments: that binding took 30-45 µs of a launch on the H200
+    (reports/gpu/kernel-ab.md). Any other call, and every call under the interpreter, goes through
+    `kernel[grid]`, which compiles what it must. Triton's launch hooks (profilers) still see every
+    launch.
     """
 
     def __init__(self, kernel, grid, device: torch.device, **planned):
@@ -157,8 +194,9 @@ class BoundLaunch:
             raise TypeError("BoundLaunch: the kernel's per-run parameters must come before the planned ones")
         self.tail = [planned[name] for name in names[self.num_per_run :]]
         self.grid3 = (*grid, 1, 1)[:3]  # the compiled kernel's launcher takes three dims
-        self.compiled = {}
         self.direct = device.type == "cuda" and not interpreted()
+        self.compiled = {}  # this plan's: per-run key -> compiled kernel, filled from _COMPILED
+        self.shared_key = (kernel, planned_specialization(kernel, planned)) if self.direct else None
 
     def __call__(self, *tensors: torch.Tensor) -> None:
         if len(tensors) != self.num_per_run:
@@ -172,8 +210,12 @@ class BoundLaunch:
         key = (device, *((t.dtype, t.data_ptr() % 16 == 0) for t in bases))
         compiled = self.compiled.get(key)
         if compiled is None:
-            self.compiled[key] = self.kernel[self.grid](*tensors, **self.planned)
-            return
+            compiled = _COMPILED.get((*self.shared_key, key))
+            if compiled is None:
+                compiled = self.kernel[self.grid](*tensors, **self.planned)
+                _COMPILED[(*self.shared_key, key)] = self.compiled[key] = compiled
+                return
+            self.compiled[key] = compiled
         hooks = triton.knobs.runtime
         enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
         if enter.calls or leave.calls:

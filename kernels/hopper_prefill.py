@@ -26,6 +26,7 @@ Not on this path: float32 (scores in float64), head dims other than 64 and 128, 
 contiguous (a TMA descriptor needs `[num_pages * page_size, num_kv_heads * head_dim]` rows).
 """
 
+import functools
 import math
 
 import numpy as np
@@ -176,16 +177,20 @@ class Walk:
         """int32: the offsets, then each unit's ROW_FIELDS (what the kernel's `walk` points at), for
         lists with these counts [2, tiles, 1 or num_heads] over these (sequence, absolute query tile)
         query tiles of sequences of these lengths and first query tokens (query_starts: [seqs + 1])."""
-        w, tiles = self.units[:, 0].astype(np.int64), len(query_tiles)
+        w, tiles = self.units[:, 0], len(query_tiles)
         head, tile = w // tiles, tiles - 1 - w % tiles
-        seq, qtile = np.array(query_tiles, dtype=np.int64).reshape(-1, 2)[tile].T
-        n_full = counts[0].numpy()[qtile, np.minimum(head, counts.shape[2] - 1)]
-        seq_len, starts = np.array(seq_lens, dtype=np.int64), np.array(query_starts, dtype=np.int64)
-        context = seq_len - (starts[1:] - starts[:-1])
-        rows = [seq, qtile, head, n_full, *self.units[:, 1:].T, starts[seq], context[seq], seq_len[seq]]
-        return torch.from_numpy(
-            np.concatenate([self.offsets, np.stack(rows, 1).astype(np.int32).reshape(-1)])
-        )
+        seq, qtile = np.array(query_tiles, dtype=np.int32).reshape(-1, 2)[tile].T
+        seq_len, starts = np.array(seq_lens, dtype=np.int32), np.array(query_starts, dtype=np.int32)
+        programs = self.offsets.shape[0]
+        flat = np.empty(programs + self.units.shape[0] * ROW_FIELDS, dtype=np.int32)
+        flat[:programs] = self.offsets
+        rows = flat[programs:].reshape(-1, ROW_FIELDS)
+        rows[:, 0], rows[:, 1], rows[:, 2] = seq, qtile, head
+        rows[:, 3] = counts.numpy()[0, qtile, np.minimum(head, counts.shape[2] - 1)]
+        rows[:, 4 : 4 + UNIT_FIELDS - 1] = self.units[:, 1:]
+        rows[:, 9], rows[:, 11] = starts[seq], seq_len[seq]
+        rows[:, 10] = rows[:, 11] - (starts[seq + 1] - rows[:, 9])  # the sequence's context
+        return torch.from_numpy(flat)
 
 
 def plan_walk(
@@ -196,10 +201,12 @@ def plan_walk(
     least-loaded program. With `split`, the last round is dealt (whatever `dealt_rounds`), tile by
     tile so that the programs end together (`_deal_split`). `counts`: the lists' counts [2, tiles,
     1 or num_heads] (CPU); `query_tiles`: the (sequence, absolute query tile) of each query tile."""
-    tiles_abs = [t for _, t in query_tiles]
-    shape = (len(tiles_abs), num_heads)
-    full = np.broadcast_to(counts[0, tiles_abs].numpy(), shape)[::-1].T.reshape(-1).astype(np.int64)
-    partial = np.broadcast_to(counts[1, tiles_abs].numpy(), shape)[::-1].T.reshape(-1).astype(np.int64)
+    # [2, tiles, 1 or num_heads], the last query tile first; numpy's indexing, several times cheaper
+    # than torch's on these few elements (a plan's host time, every step of an engine).
+    taken = counts.numpy()[:, [t for _, t in reversed(query_tiles)]]
+    if taken.shape[2] != num_heads:
+        taken = taken.repeat(num_heads, axis=2)
+    full, partial = taken.transpose(0, 2, 1).reshape(2, -1).astype(np.int64)  # head-major items
     cost = full + PARTIAL_COST * partial + ITEM_COST  # an item's, in full tiles
     num_items = cost.shape[0]
     rounds = -(-num_items // programs)
@@ -212,9 +219,9 @@ def plan_walk(
     taken = np.full((rounds, programs), -1, dtype=np.int64)
     head_major = np.arange(fixed * programs).reshape(fixed, programs)
     taken[:fixed] = np.where(head_major < num_items, head_major, -1)
-    loads = (
-        np.pad(cost, (0, rounds * programs - num_items))[: fixed * programs].reshape(fixed, programs).sum(0)
-    )
+    fixed_costs = np.zeros(fixed * programs)  # not np.pad: ~30 µs a call
+    fixed_costs[: min(num_items, fixed * programs)] = cost[: fixed * programs]
+    loads = fixed_costs.reshape(fixed, programs).sum(0)
     for r in range(fixed, rounds):
         items = np.arange(r * programs, min(num_items, (r + 1) * programs))
         items = items[np.argsort(-cost[items], kind="stable")]
@@ -339,7 +346,15 @@ def launch(
         if TIMELINE.dtype != torch.int64 or tuple(TIMELINE.shape) != shape or TIMELINE.device != device:
             raise ValueError(f"hopper_prefill.TIMELINE: expected int64 {list(shape)} on {device}")
     head_dim = descriptors.block[1]
-    slots = max(walk.num_slots, 1)
+    if walk.num_slots:
+        # A consumer's state a slot: accumulator [ROWS, head_dim], then rows' maxima, sums, seen flags;
+        # and a consumer's parts ended, a slot.
+        split_state = torch.empty(
+            walk.num_slots * BLOCK_M * (head_dim + 3), dtype=torch.float32, device=device
+        )
+        split_done = torch.zeros(walk.num_slots * 2, dtype=torch.int32, device=device)
+    else:  # unread (SPLIT off): no allocation, no fill launch a plan
+        split_state, split_done = _unread_split_buffers(device)
     return BoundLaunch(
         hopper_prefill_kernel,
         (walk.offsets.shape[0] - 1,),
@@ -352,9 +367,8 @@ def launch(
         STAGES=STAGES,
         DEVICE_DESCRIPTORS=descriptors.on_device,
         walk=planned["tiles"][2 * num_tiles :],
-        # A consumer's state a slot: accumulator [ROWS, head_dim], then rows' maxima, sums, seen flags.
-        split_state=torch.empty(slots * BLOCK_M * (head_dim + 3), dtype=torch.float32, device=device),
-        split_done=torch.zeros(slots * 2, dtype=torch.int32, device=device),  # parts ended, a consumer
+        split_state=split_state,
+        split_done=split_done,
         SPLIT=walk.num_slots > 0,  # compiled in only for walks with split items (its code costs, §23)
         timeline=planned["tiles"] if TIMELINE is None else TIMELINE,
         TIMELINE=TIMELINE is not None,
@@ -364,6 +378,31 @@ def launch(
         num_warps=4,  # the default partition: the first consumer
         maxnreg=MAX_REGISTERS,
     )
+
+
+@functools.cache
+def _shared_layout(block: tuple, dtype: torch.dtype):
+    """The host descriptors' shared layout of a block (made once: ~30 µs of every plan otherwise)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), GL_DTYPES[dtype])
+
+
+_UNREAD: dict = {}
+
+
+def _unread_split_buffers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """split_state and split_done of a walk without split items, which the kernel never reads: one
+    pair a device (in a CUDA graph's capture, the graph's own, as `_scratch` does)."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.empty(1, dtype=torch.float32, device=device), torch.empty(
+            1, dtype=torch.int32, device=device
+        )
+    pair = _UNREAD.get(device)
+    if pair is None:
+        pair = _UNREAD[device] = (
+            torch.empty(1, dtype=torch.float32, device=device),
+            torch.empty(1, dtype=torch.int32, device=device),
+        )
+    return pair
 
 
 class CacheDescriptors:
@@ -376,7 +415,7 @@ class CacheDescriptors:
         self.shape = [num_pages * page_size, num_kv_heads * head_dim]
         self.strides = [num_kv_heads * head_dim, 1]
         self.block = [min(page_size, BLOCK_N), head_dim]
-        self.layout = gl.NVMMASharedLayout.get_default_for(self.block, GL_DTYPES[k_cache.dtype])
+        self.layout = _shared_layout(tuple(self.block), k_cache.dtype)
         self.on_device = DEVICE_DESCRIPTORS
 
     def __call__(self, cache: torch.Tensor) -> "TensorDescriptor | torch.Tensor":

@@ -10,6 +10,8 @@ tables, layout arguments, the grid); `plan.run(q, k_cache, v_cache)` launches it
 of the planned shapes (every layer of a model step). `paged_prefill` is plan + run.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -250,7 +252,8 @@ class PrefillPlan:
             BLOCK_M=block_m,
             BLOCK_N=block_n,
         )
-        self.launch = BoundLaunch(
+        self.triton_launch = functools.partial(
+            BoundLaunch,
             paged_prefill_kernel,
             self.grid,
             device,
@@ -259,6 +262,9 @@ class PrefillPlan:
             num_stages=num_stages,
             **({} if MAX_REGISTERS is None else {"maxnreg": MAX_REGISTERS}),
         )
+        # The Triton launch is bound when a run first needs it: with the Hopper path, only for caches
+        # that are not 16-byte aligned.
+        self.launch = None if hopper else self.triton_launch()
         if hopper:
             self.descriptors = hopper_prefill.CacheDescriptors(k_cache)
             self.hopper = hopper_prefill.launch(self.grid, device, planned, self.descriptors, self.walk)
@@ -272,6 +278,7 @@ class PrefillPlan:
             if self.hopper is not None and hopper_prefill.aligned(k_in, v_in):
                 self.hopper(q_in, out, lse, self.descriptors(k_in), self.descriptors(v_in))
             else:
+                self.launch = self.launch or self.triton_launch()
                 self.launch(q_in, out, lse, k_in, v_in)
         return (out, lse) if self.return_lse else out
 

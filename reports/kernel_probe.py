@@ -99,7 +99,7 @@ def time_run(plan, q, k, v) -> float:
 
 def registers(plan, *per_run) -> str:
     """'regs/spills' of the plan's compiled kernel (a cache hit of Triton's own launch path)."""
-    launch = plan.launch
+    launch = plan.launch or plan.triton_launch()
     compiled = launch.kernel[launch.grid](*per_run, **launch.planned)
     return f"{compiled.n_regs}/{compiled.n_spills}"
 
@@ -134,7 +134,7 @@ def enqueue_row(what, n, queries, lay, decode, gen, profile_text) -> dict:
             return kernels.paged_decode(q, k, v, t, sl, scale=SCALE, layout=lay)
     else:
         plan = kernels.plan_prefill(q, k, v, t, sl, qsl, scale=SCALE, layout=lay)
-        launches = (plan.launch,)
+        launches = (plan.hopper or plan.launch,)
 
         def op():
             return kernels.paged_prefill(q, k, v, t, sl, qsl, scale=SCALE, layout=lay)

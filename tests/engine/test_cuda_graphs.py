@@ -6,11 +6,12 @@ is what a graph's launches read. Either way the runs with graphs, prefix caching
 pass harness/engine_check.py's rule against an eager run without caching.
 """
 
+import pytest
 import torch
 from hypothesis import event, given
 
 from engine import LLM, SamplingParams
-from engine.cuda_graphs import StepGraphs, buckets, rerun_capture
+from engine.cuda_graphs import StepGraphs, buckets, rerun_capture, segments
 from tests.budgets import examples
 from tests.engine.test_engine import TRITON_STREAMS, assert_equivalent, make_llm, run_stream
 
@@ -89,3 +90,11 @@ def test_piece_graph_padding_rows_write_no_kv():
     for prompt in prompts:
         assert_equivalent(llm.generate([prompt], params), eager.generate([prompt], params))
     assert sorted(llm.runner.graphs.pieces) == [32]
+
+
+@pytest.mark.parametrize("num_layers", [1, 2, 3, 4, 7, 32])
+def test_segments_cover_the_layers_doubling(num_layers):
+    parts = segments(num_layers)
+    assert [i for part in parts for i in part] == list(range(num_layers))
+    assert all(len(part) == 2**j for j, part in enumerate(parts[:-1]))
+    assert 1 <= len(parts[-1]) <= 2 ** (len(parts) - 1)
