@@ -392,16 +392,15 @@ _UNREAD: dict = {}
 def _unread_split_buffers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """split_state and split_done of a walk without split items, which the kernel never reads: one
     pair a device (in a CUDA graph's capture, the graph's own, as `_scratch` does)."""
-    if torch.cuda.is_current_stream_capturing():
-        return torch.empty(1, dtype=torch.float32, device=device), torch.empty(
-            1, dtype=torch.int32, device=device
-        )
-    pair = _UNREAD.get(device)
+    capturing = torch.cuda.is_current_stream_capturing()
+    pair = None if capturing else _UNREAD.get(device)
     if pair is None:
-        pair = _UNREAD[device] = (
+        pair = (
             torch.empty(1, dtype=torch.float32, device=device),
             torch.empty(1, dtype=torch.int32, device=device),
         )
+        if not capturing:
+            _UNREAD[device] = pair
     return pair
 
 
