@@ -50,7 +50,8 @@ class Capabilities:
     validates: bool = True  # bad input raises ValueError / TypeError (contract §4)
     # Its plans read their metadata tensors at every launch, so that a plan captured in a CUDA graph stays
     # right when they are rewritten in place: decode sequences no longer than planned, the same table
-    # width, write_kv slots of the same count (the engine's decode graphs need it; False: eager steps).
+    # width, write_kv slots of the same count; prefill plans `replan` in place (docs/contract.md). The
+    # engine's whole-step graphs need it (False: eager steps, and layers in graphs between attention).
     graphs: bool = False
     block_sizes: tuple[int, ...] | None = None  # sparse block sizes S of sparse layouts; None: any
     page_sizes: tuple[int, ...] | None = None  # page sizes P; None: any

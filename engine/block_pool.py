@@ -38,7 +38,6 @@ Invariants (`check_invariants`):
 import functools
 import hashlib
 import itertools
-import math
 import struct
 import weakref
 from collections import OrderedDict
@@ -330,4 +329,4 @@ class BlockPool:
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
-    return math.ceil(num_tokens / page_size)
+    return -(-num_tokens // page_size)  # exact for any int (a float division is not past 2**53)

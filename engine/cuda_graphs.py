@@ -1,4 +1,5 @@
-"""A step's launches replayed as CUDA graphs: whole decode steps, and the layers between attention calls.
+"""A step's launches replayed as CUDA graphs: whole decode and prefill steps, else the layers between
+attention calls.
 
 An eager step of the 32-layer model enqueues about 800 launches, 0.4 to 1 ms of host time a layer on the
 H200's host, several times its kernels' time at small batches (reports/gpu/engine-steps.md). So:
@@ -12,14 +13,21 @@ H200's host, several times its kernels' time at small batches (reports/gpu/engin
   (backends/registry.py) promises that its plans, replayed over metadata rewritten within those
   bounds, stay right; the engine builds that metadata itself (block tables from its pool), so a
   replay validates nothing.
-- Any other step of at most PIECE_TOKEN_BUCKETS[-1] tokens replays `PieceGraphs` of its token bucket:
-  the layers between attention calls, with attention (whose plans change with every step's metadata)
-  run eagerly in between.
+- A step whose rows all compute two tokens or more (prefill chunks), at most PIECE_TOKEN_BUCKETS[-1] in
+  all, replays the graph of its token bucket, attention included (`PrefillGraph`): its prefill plans,
+  made at capture over as many sequences as the bucket can hold, each as long as the cache, are
+  replanned for every step (`replan` of the `graphs` capability: their walks rewritten in place,
+  their launches kept), where a plan can (`fixed_launch`: the Hopper path).
+- Any other step of at most PIECE_TOKEN_BUCKETS[-1] tokens (one-token rows beside longer ones, or plans
+  that cannot replan in place) replays `PieceGraphs` of its token bucket: the layers between attention
+  calls, with attention run eagerly in between.
 Graphs are captured on first use and share one memory pool (`StepGraphs`). `LLM(enforce_eager=True)`
 runs every step eagerly.
 """
 
 import functools
+import gc
+import itertools
 import struct
 from collections.abc import Callable
 
@@ -42,8 +50,18 @@ def cuda_capture(forward: Callable[[], tuple[torch.Tensor, ...]], pool, plans: d
     """Captures `forward()` (a tuple of tensors) in a CUDA graph; returns (replay, its outputs).
     `plans` is unused here (see `rerun_capture`)."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = forward()
+    # No garbage collection inside the capture (torch's no longer collects before it): an engine dropped
+    # earlier (its runner and graphs hold each other) collected there frees pinned buffers and events,
+    # whose CUDA calls invalidate the capture. On the H200, one run of tests/engine in six failed so
+    # (cudaErrorStreamCaptureInvalidated), and every capture of that process after it.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            out = forward()
+    finally:
+        if enabled:
+            gc.enable()
     return graph.replay, out
 
 
@@ -83,7 +101,113 @@ def buckets(largest: int, smallest: int = 1) -> list[int]:
     return out
 
 
-class DecodeGraph:
+class StaticInputs:
+    """A graph's integer inputs at fixed places: fields packed on the host into ordinary memory, copied
+    into pinned memory, then to the device in one asynchronous copy. Packing straight into the pinned
+    buffer (element by element, and `+=`'s reads) took 0.3-0.6 ms a step on the H200's host."""
+
+    def __init__(self, fields: list[tuple[str, torch.dtype, int]], device: torch.device):
+        spans, size = {}, 0
+        for name, dtype, n in fields:
+            size += -size % ALIGN
+            spans[name] = (size, dtype, n)
+            size += n * dtype.itemsize
+        self.spans = spans
+        pinned = device.type == "cuda"
+        self.staging = torch.zeros(size, dtype=torch.uint8)
+        self.host = torch.zeros(size, dtype=torch.uint8, pin_memory=pinned)
+        self.static = torch.zeros(size, dtype=torch.uint8, device=device)
+        self.packed = host = self.staging.numpy()
+        # name -> its numpy view on the host, and its tensor view on the device
+        self.fields = {
+            name: host[at : at + n * dtype.itemsize].view(np.dtype(str(dtype).removeprefix("torch.")))
+            for name, (at, dtype, n) in spans.items()
+        }
+        self.device = {
+            name: self.static[at : at + n * dtype.itemsize].view(dtype)
+            for name, (at, dtype, n) in spans.items()
+        }
+        self.copied = torch.cuda.Event() if pinned else None
+
+    def pack(self, name: str, values: list[int], start: int = 0) -> None:
+        """Writes Python ints into field `name` from element `start` (struct converts them several times
+        faster than numpy does)."""
+        at, dtype, _ = self.spans[name]
+        code = "q" if dtype.itemsize == 8 else "i"
+        struct.pack_into(f"<{len(values)}{code}", self.packed, at + start * dtype.itemsize, *values)
+
+    def packer(self, *names: str) -> Callable[..., None]:
+        """A function that writes consecutive fields whole, a list of ints each, in one `struct` call."""
+        layout, end = ["<"], self.spans[names[0]][0]
+        for name in names:
+            at, dtype, n = self.spans[name]
+            layout.append(f"{at - end}x{n}{'q' if dtype.itemsize == 8 else 'i'}")
+            end = at + n * dtype.itemsize
+        pack, start = struct.Struct("".join(layout)).pack_into, self.spans[names[0]][0]
+        return lambda *lists: pack(self.packed, start, *itertools.chain(*lists))
+
+    def copy(self, end: str | None = None, elements: int = 0) -> None:
+        """Copies the buffer to the device: whole, or up to `elements` of field `end` (its last field)."""
+        size = self.staging.shape[0]
+        if end is not None:
+            at, dtype, _ = self.spans[end]
+            size = at + elements * dtype.itemsize
+        if self.copied is not None:
+            self.copied.synchronize()  # the last step's copy has left the pinned buffer
+        self.host[:size].copy_(self.staging[:size])
+        self.static[:size].copy_(self.host[:size], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+
+
+class StepGraph:
+    """A whole step's graphs (attention included), in layer segments (`segments`); the last segment also
+    makes the sampled rows' logits and their `greedy_pairs`. The static inputs and the metadata are the
+    subclass's (`DecodeGraph`, `PrefillGraph`): it packs the capture's batch before `_capture`, which
+    plans attention over it in an eager run, then captures."""
+
+    def _capture(self, runner, meta, inputs: StaticInputs, logits_rows: torch.Tensor, capture, pool) -> bool:
+        """Plans and compiles in an eager run, then captures unless the plans cannot be replayed
+        (`_replayable`); returns whether it captured."""
+        self.meta = meta
+        # Held by the graph's object: a replay reads whatever memory it was captured with.
+        self.logits_rows = logits_rows
+        dev, model = inputs.device, runner.model
+        attend = lambda i, q, k, v: runner.attend(meta, i, q, k, v)  # noqa: E731
+
+        def piece(layers: range, last: bool, previous: tuple):  # previous: (h, cos, sin), none first
+            h, *rope = previous or (model.embed(dev["input_ids"]), *model.rope_rows(dev["positions"]))
+            h = model.run_layers(h, rope, attend, layers)
+            if not last:
+                return (h, *rope)
+            logits = model.logits(h[logits_rows])
+            return logits, greedy_pairs(logits)
+
+        model(dev["input_ids"], dev["positions"], attend, logits_rows)  # plans made, kernels compiled
+        if inputs.copied is not None:
+            torch.cuda.synchronize(runner.device)
+        if not self._replayable(meta.plans, capture):
+            return False
+        parts = segments(len(model.layers))
+        self.replays, out = [], ()
+        for j, layers in enumerate(parts):
+            replay, out = capture(
+                functools.partial(piece, layers, j == len(parts) - 1, out), pool, meta.plans
+            )
+            self.replays.append(replay)
+        self.logits, self.pairs = out
+        return True
+
+    def _replayable(self, plans: dict, capture) -> bool:
+        return True
+
+    def _replay(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        for replay in self.replays:
+            replay()
+        return self.logits[:rows], self.pairs[:rows]
+
+
+class DecodeGraph(StepGraph):
     """The graph of decode steps of up to `batch` rows whose sequences hold at most `context` tokens."""
 
     def __init__(self, runner, batch: int, context: int, capture, pool):
@@ -92,39 +216,20 @@ class DecodeGraph:
         device, page = runner.device, runner.config.page_size
         self.batch, self.context, self.page = batch, context, page
         self.width = -(-context // page)
-        # Fields of the static buffer: (name, dtype, elements). One host-to-device copy a step.
-        fields = [
-            ("input_ids", torch.int64, batch),
-            ("positions", torch.int64, batch),
-            ("slots", torch.int64, batch),
-            ("seq_lens", torch.int32, batch),
-            ("tables", torch.int32, batch * self.width),
-        ]
-        spans, size = {}, 0
-        for name, dtype, n in fields:
-            size += -size % ALIGN
-            spans[name] = (size, dtype, n)
-            size += n * dtype.itemsize
-        pinned = device.type == "cuda"
-        # Packed in ordinary memory, then copied whole into pinned memory for the asynchronous copy:
-        # the fields' element by element writes (and `+=`'s reads) into the pinned buffer itself took
-        # 0.3-0.6 ms a step on the H200's host.
-        self.staging = torch.zeros(size, dtype=torch.uint8)
-        self.host = torch.zeros(size, dtype=torch.uint8, pin_memory=pinned)
-        self.static = torch.zeros(size, dtype=torch.uint8, device=device)
-        host = self.staging.numpy()
-        self.fields = {
-            name: host[at : at + n * dtype.itemsize].view(np.dtype(str(dtype).removeprefix("torch.")))
-            for name, (at, dtype, n) in spans.items()
-        }
-        self.tables = self.fields["tables"].reshape(batch, self.width)
-        dev = {
-            name: self.static[at : at + n * dtype.itemsize].view(dtype)
-            for name, (at, dtype, n) in spans.items()
-        }
-        self.copied = torch.cuda.Event() if pinned else None
+        inputs = StaticInputs(
+            [
+                ("input_ids", torch.int64, batch),
+                ("positions", torch.int64, batch),
+                ("slots", torch.int64, batch),
+                ("seq_lens", torch.int32, batch),
+                ("tables", torch.int32, batch * self.width),
+            ],
+            device,
+        )
+        dev = inputs.device
+        self.tables = inputs.fields["tables"].reshape(batch, self.width)
         empty = torch.zeros(0, dtype=torch.int32, device=device)
-        self.meta = AttentionMetadata(
+        meta = AttentionMetadata(
             slot_mapping=dev["slots"],
             num_decode_tokens=batch,
             decode_block_tables=dev["tables"].view(batch, self.width),
@@ -133,72 +238,117 @@ class DecodeGraph:
             prefill_seq_lens=empty,
             prefill_query_start_loc=torch.zeros(1, dtype=torch.int32, device=device),
         )
-        # Held by the graph's object: a replay reads whatever memory it was captured with.
-        self.rows = torch.arange(batch, device=device)
-        model = runner.model
-        attend = lambda i, q, k, v: runner.attend(self.meta, i, q, k, v)  # noqa: E731
-
-        def piece(layers: range, last: bool, inputs: tuple):  # inputs: (h, cos, sin), none for the first
-            h, *rope = inputs or (model.embed(dev["input_ids"]), *model.rope_rows(dev["positions"]))
-            h = model.run_layers(h, rope, attend, layers)
-            if not last:
-                return (h, *rope)
-            logits = model.logits(h[self.rows])
-            return logits, greedy_pairs(logits)
-
+        self.inputs = inputs
+        self.pack_rows = inputs.packer("input_ids", "positions", "slots", "seq_lens")
         # Every row a sequence of the whole context over page 0 that writes nothing: the plans made by
-        # this eager run cover any step of the bucket.
+        # the capture's eager run cover any step of the bucket.
         self._write([], pad_len=context)
-        model(dev["input_ids"], dev["positions"], attend, self.rows)
-        if pinned:
-            torch.cuda.synchronize(device)
-        parts = segments(len(model.layers))
-        self.replays, out = [], ()
-        for j, layers in enumerate(parts):
-            replay, out = capture(
-                functools.partial(piece, layers, j == len(parts) - 1, out), pool, self.meta.plans
-            )
-            self.replays.append(replay)
-        self.logits, self.pairs = out
+        self._capture(runner, meta, inputs, torch.arange(batch, device=device), capture, pool)
 
     def _write(self, batch, pad_len: int = 1) -> None:
         """Packs the rows of `batch` (ScheduledSeq, one token each), then padding, and copies them in."""
-        f, page, width, n = self.fields, self.page, self.width, len(batch)
-        ids, positions, slots, tables = [], [], [], []
+        page, width, pad = self.page, self.width, self.batch - len(batch)
+        ids, positions, slots, lens, tables = [], [], [], [], []
         for item in batch:
             seq = item.seq
             p, table = seq.num_computed_tokens, seq.block_table
             ids.append(seq.token_ids[p])
             positions.append(p)
+            lens.append(p + 1)
             slots.append(table[p // page] * page + p % page)
             tables += table[:width]
             tables += [0] * (width - len(table))
-        f["input_ids"][:n] = ids
-        f["positions"][:n] = positions
-        f["slots"][:n] = slots
-        f["seq_lens"][:n] = positions
-        f["seq_lens"][:n] += 1
-        # struct converts a table's Python ints several times faster than numpy does.
-        self.tables[:n] = np.frombuffer(struct.pack(f"<{len(tables)}i", *tables), np.int32).reshape(n, width)
-        f["input_ids"][n:] = 0
-        f["positions"][n:] = 0
-        f["slots"][n:] = -1
-        f["seq_lens"][n:] = pad_len
-        self.tables[n:] = 0
-        if self.copied is not None:
-            self.copied.synchronize()  # the last step's copy has left the pinned buffer
-        self.host.copy_(self.staging)
-        self.static.copy_(self.host, non_blocking=True)
-        if self.copied is not None:
-            self.copied.record()
+        # Padding rows: token 0 at position 0, no write, a sequence of pad_len over page 0.
+        zeros = [0] * pad
+        self.pack_rows(ids, zeros, positions, zeros, slots, [-1] * pad, lens, [pad_len] * pad)
+        self.inputs.pack("tables", tables)
+        self.tables[len(batch) :] = 0
+        self.inputs.copy()
 
     def run(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits float32 [len(batch), vocab_size] of a decode step of at most `self.batch` rows, and
         their `greedy_pairs` [len(batch), 2]."""
         self._write(batch)
-        for replay in self.replays:
-            replay()
-        return self.logits[: len(batch)], self.pairs[: len(batch)]
+        return self._replay(len(batch))
+
+
+class PrefillGraph(StepGraph):
+    """The graph of steps of at most `tokens` tokens over at most `seqs` sequences, each computing at least
+    two tokens (one-token rows take `paged_decode`): the prefill plans, made at capture over `seqs`
+    sequences of the cache's whole capacity, are replanned every step (`PrefillPlan.replan`) and keep
+    their launches. Only for plans that say so (`fixed_launch`), or under `rerun_capture`, which runs
+    them again; `supported` is False otherwise."""
+
+    def __init__(self, runner, tokens: int, seqs: int, capture, pool):
+        from engine.model_runner import AttentionMetadata  # the runner imports this module
+
+        device, config = runner.device, runner.config
+        self.tokens, self.seqs, self.page = tokens, seqs, config.page_size
+        self.width = config.num_pages  # no sequence outgrows the cache
+        inputs = StaticInputs(
+            [
+                ("input_ids", torch.int64, tokens),
+                ("positions", torch.int64, tokens),
+                ("slots", torch.int64, tokens),
+                ("logits_rows", torch.int64, seqs),
+                ("seq_lens", torch.int32, seqs),
+                ("query_start_loc", torch.int32, seqs + 1),
+                ("tables", torch.int32, seqs * self.width),  # last: a step copies its rows only
+            ],
+            device,
+        )
+        self.inputs, dev = inputs, inputs.device
+        meta = AttentionMetadata(
+            slot_mapping=dev["slots"],
+            num_decode_tokens=0,
+            decode_block_tables=torch.zeros(0, 1, dtype=torch.int32, device=device),
+            decode_seq_lens=torch.zeros(0, dtype=torch.int32, device=device),
+            prefill_block_tables=dev["tables"].view(seqs, self.width),
+            prefill_seq_lens=dev["seq_lens"],
+            prefill_query_start_loc=dev["query_start_loc"],
+        )
+        # The capture's batch: every sequence as long as the cache over page 0, the tokens shared out;
+        # nothing written (slots -1). The plans cover any batch of as many sequences and tokens.
+        f, capacity = inputs.fields, self.width * self.page
+        share = [tokens // seqs + (b < tokens % seqs) for b in range(seqs)]
+        f["input_ids"][:], f["positions"][:], f["slots"][:] = 0, 0, -1
+        f["logits_rows"][:] = 0
+        f["seq_lens"][:] = capacity
+        f["query_start_loc"][:] = np.cumsum([0, *share])
+        f["tables"][:] = 0
+        inputs.copy()
+        self.pack_tokens = inputs.packer("input_ids", "positions", "slots", "logits_rows")
+        self.pack_seqs = inputs.packer("seq_lens", "query_start_loc")
+        self.supported = max(share) <= capacity and self._capture(
+            runner, meta, inputs, dev["logits_rows"], capture, pool
+        )
+        self.plans = [plan for key, plan in meta.plans.items() if key[0] == "prefill"]
+
+    def _replayable(self, plans: dict, capture) -> bool:
+        return capture is rerun_capture or all(
+            plan.fixed_launch for key, plan in plans.items() if key[0] == "prefill"
+        )
+
+    def run(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits float32 [samples, vocab_size] of the rows of `batch` (ScheduledSeq, at most `seqs`, at
+        least two tokens each, at most `tokens` in all) that sample (`ScheduledSeq.samples`), in order,
+        and their `greedy_pairs` [samples, 2]."""
+        from engine.model_runner import flatten  # the runner imports this module
+
+        ids, positions, slots, lens, starts, samples = flatten(batch, self.page)
+        pad, rows = [0] * (self.tokens - starts[-1]), self.seqs - len(batch)
+        # Rows past the step's: valid tokens at position 0 that write nothing; sequences never read.
+        self.pack_tokens(
+            ids, pad, positions, pad, slots, [-1] * len(pad), samples, [0] * (self.seqs - len(samples))
+        )
+        self.pack_seqs(lens, [0] * rows, starts, starts[-1:] * rows)
+        # Each table row at its place; entries past a sequence's pages are never read (contract §4).
+        for b, item in enumerate(batch):
+            self.inputs.pack("tables", item.seq.block_table, b * self.width)
+        self.inputs.copy("tables", (len(batch) - 1) * self.width + len(batch[-1].seq.block_table))
+        for plan in self.plans:
+            plan.replan(lens, starts)
+        return self._replay(len(samples))
 
 
 class PieceGraphs:
@@ -281,8 +431,10 @@ class StepGraphs:
     the same step: a replay may overwrite only the outputs of graphs captured after it.
     """
 
-    def __init__(self, runner, whole_decode: bool, capture=cuda_capture):
+    def __init__(self, runner, whole_decode: bool, capture=cuda_capture, whole_prefill: bool | None = None):
         self.runner, self.capture, self.whole_decode = runner, capture, whole_decode
+        # Prefill steps whole needs plans that replan in place (the `graphs` capability's prefill part).
+        self.whole_prefill = whole_decode if whole_prefill is None else whole_prefill
         config = runner.config
         self.batch_buckets = buckets(config.max_num_seqs)
         capacity = config.num_pages * config.page_size  # no sequence outgrows the cache
@@ -292,14 +444,25 @@ class StepGraphs:
         ]
         self.pool = torch.cuda.graph_pool_handle() if capture is cuda_capture else None
         self.decode: dict[tuple[int, int], DecodeGraph] = {}
+        self.prefill: dict[int, PrefillGraph] = {}
         self.pieces: dict[int, PieceGraphs] = {}
 
-    def decode_logits(self, batch) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Logits float32 [len(batch), vocab_size] and their `greedy_pairs` when every row of `batch` is
-        one query token (graph replays), else None."""
-        if not self.whole_decode or any(item.num_tokens != 1 for item in batch):
-            return None
-        if len(batch) > self.batch_buckets[-1]:
+    def step_logits(self, batch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Logits float32 [samples, vocab_size] of the rows of `batch` that sample
+        (`ScheduledSeq.samples`), in order, and their `greedy_pairs`, when a whole-step graph takes the
+        step (every row one query token, or every row at least two), else None."""
+        decode = [item.num_tokens == 1 for item in batch]
+        if all(decode):
+            replayed = self._decode(batch)
+            if replayed is None:
+                return None
+            sampling = [j for j, item in enumerate(batch) if item.samples]
+            logits, pairs = replayed
+            return (logits, pairs) if len(sampling) == len(batch) else (logits[sampling], pairs[sampling])
+        return None if any(decode) else self._prefill(batch)
+
+    def _decode(self, batch):
+        if not self.whole_decode or len(batch) > self.batch_buckets[-1]:
             return None
         longest = max(item.seq.num_computed_tokens for item in batch) + 1
         rows = next(b for b in self.batch_buckets if b >= len(batch))
@@ -311,9 +474,22 @@ class StepGraphs:
             )
         return graph.run(batch)
 
+    def _prefill(self, batch):
+        tokens = self._bucket(sum(item.num_tokens for item in batch))
+        if not self.whole_prefill or tokens is None:
+            return None
+        graph = self.prefill.get(tokens)
+        if graph is None:
+            seqs = min(self.runner.config.max_num_seqs, tokens // 2)  # each row computes two tokens or more
+            graph = self.prefill[tokens] = PrefillGraph(self.runner, tokens, seqs, self.capture, self.pool)
+        return graph.run(batch) if graph.supported and len(batch) <= graph.seqs else None
+
+    def _bucket(self, num_tokens: int) -> int | None:
+        return next((t for t in self.token_buckets if t >= num_tokens), None)
+
     def pieces_for(self, num_tokens: int) -> PieceGraphs | None:
         """The piece graphs of the smallest token bucket that holds `num_tokens`, or None (eager)."""
-        tokens = next((t for t in self.token_buckets if t >= num_tokens), None)
+        tokens = self._bucket(num_tokens)
         if tokens is None:
             return None
         if tokens not in self.pieces:

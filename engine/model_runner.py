@@ -101,6 +101,28 @@ def load_backend(name: str, args: ModelArgs, dtype: str, page_size: int):
     return impl
 
 
+def flatten(batch: list[ScheduledSeq], page: int) -> tuple[list[int], ...]:
+    """A batch's integers as Python lists: token ids, positions and slots [num_tokens], sequence lengths
+    [num_seqs], query starts [num_seqs + 1] and the rows that sample (the last of a chunk that reaches
+    its sequence's last token: `ScheduledSeq.samples`)."""
+    ids, positions, slots, lens, starts, samples = [], [], [], [], [0], []
+    for item in batch:
+        seq, start = item.seq, item.seq.num_computed_tokens
+        stop, table = start + item.num_tokens, seq.block_table
+        ids += seq.token_ids[start:stop]
+        positions += range(start, stop)
+        # Slots page by page: position p of the page starting at `first` goes to table[first // P] * P
+        # + p - first.
+        for first in range(start - start % page, stop, page):
+            base = table[first // page] * page - first
+            slots += range(base + max(first, start), base + min(first + page, stop))
+        lens.append(stop)
+        starts.append(starts[-1] + item.num_tokens)
+        if item.samples:
+            samples.append(starts[-1] - 1)
+    return ids, positions, slots, lens, starts, samples
+
+
 class _Staging:
     """The integers of a step's inputs packed on the host into one int64 buffer, so that they reach the
     device in one copy. A copy per field cost ~5 µs of host time each, and building the fields with
@@ -174,22 +196,7 @@ class ModelRunner:
         int64 except the metadata's int32 fields; sample_rows are the rows whose chunk ends the
         sequence's tokens (`ScheduledSeq.samples`).
         """
-        page = self.config.page_size
-        ids, positions, slots, lens, starts, samples = [], [], [], [], [0], []
-        for item in batch:
-            seq, start = item.seq, item.seq.num_computed_tokens
-            stop, table = start + item.num_tokens, seq.block_table
-            ids += seq.token_ids[start:stop]
-            positions += range(start, stop)
-            # Slots page by page: position p of the page starting at `first` goes to table[first // P] * P
-            # + p - first.
-            for first in range(start - start % page, stop, page):
-                base = table[first // page] * page - first
-                slots += range(base + max(first, start), base + min(first + page, stop))
-            lens.append(stop)
-            starts.append(starts[-1] + item.num_tokens)
-            if item.samples:
-                samples.append(starts[-1] - 1)
+        ids, positions, slots, lens, starts, samples = flatten(batch, self.config.page_size)
         nd = next((i for i, item in enumerate(batch) if item.num_tokens != 1), len(batch))
         # int64 fields, then the int32 ones (aligned to 2 and 4 elements: 16 bytes), cast on the device.
         wide, narrow = _Staging(), _Staging()
@@ -249,14 +256,12 @@ class ModelRunner:
 
     def run(self, batch: list[ScheduledSeq]) -> list[Sample | None]:
         """One forward pass over `batch`; a Sample for every row whose chunk reaches its last token."""
-        replayed = None if self.graphs is None else self.graphs.decode_logits(batch)
+        replayed = None if self.graphs is None else self.graphs.step_logits(batch)
         pairs = None
-        if replayed is not None:  # every row one query token, replayed as graphs
+        if replayed is not None:  # the whole step replayed as graphs
             logits, pairs = replayed
             order, ordered = range(len(batch)), batch
             sampling = [j for j, item in enumerate(batch) if item.samples]
-            if len(sampling) != len(batch):
-                logits, pairs = logits[sampling], pairs[sampling]
         else:
             order = sorted(range(len(batch)), key=lambda i: batch[i].num_tokens != 1)  # stable
             ordered = [batch[i] for i in order]

@@ -52,12 +52,13 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
             need = pages_for(seq.num_computed_tokens + n, page) - len(seq.block_table)
-            while not self.pool.can_allocate([], need) and seq.status is SequenceStatus.RUNNING:
-                self.preempt(self.running[-1])
-                preempted = True
-            if seq.status is not SequenceStatus.RUNNING:
-                break
-            seq.block_table += self.pool.allocate([], need)
+            if need > 0:  # a decode step needs a page once every page_size steps (most steps: none)
+                while not self.pool.can_allocate([], need) and seq.status is SequenceStatus.RUNNING:
+                    self.preempt(self.running[-1])
+                    preempted = True
+                if seq.status is not SequenceStatus.RUNNING:
+                    break
+                seq.block_table += self.pool.allocate([], need)
             batch.append(ScheduledSeq(seq, n))
             budget -= n
             i += 1
@@ -95,11 +96,12 @@ class Scheduler:
 
     def postprocess(self, batch: list[ScheduledSeq], samples: list[Sample | None]) -> list[Sequence]:
         """Advances computed tokens, caches newly full pages, appends samples. Returns finished ones."""
-        finished = []
+        finished, page = [], self.pool.page_size
         for item, sample in zip(batch, samples, strict=True):
             seq = item.seq
             seq.num_computed_tokens += item.num_tokens
-            self.pool.cache_full_pages(seq)
+            if seq.num_computed_tokens // page > seq.num_offered_pages:  # a page filled up
+                self.pool.cache_full_pages(seq)
             if sample is None:
                 continue
             seq.token_ids.append(sample.token_id)

@@ -158,6 +158,7 @@ UNIT_FIELDS = 6  # a walk's unit: item, begin, end, slot, first slot, parts (see
 # end - 1, its slot, first slot and parts, its sequence's first query token, context and length.
 ROW_FIELDS = 12
 ROW_FIELDS_C = gl.constexpr(ROW_FIELDS)
+STAND_IN = (-1, 0, 0, -1, 0, 1)  # a unit of no item: no tiles, a whole item's slot and parts
 
 
 class Walk:
@@ -166,41 +167,88 @@ class Walk:
     slot, first, parts) is item w (`_work`'s head-major numbering: head w // T, query tile
     T - 1 - w % T) over tiles begin .. end - 1 of its lists (its full tiles, then its partial ones).
     An item taken whole has slot -1; one split into `parts` units has their softmax states at slots
-    first .. first + parts - 1 of the launch's `num_slots`, and the last of them to end merges them."""
+    first .. first + parts - 1 of the launch's `num_slots`, and the last of them to end merges them.
+    A unit of item -1 is a program's stand-in when it has no work (`plan_walk`'s `every_program`):
+    no tiles, no query rows."""
 
     def __init__(self, offsets: np.ndarray, units: np.ndarray, num_slots: int):
         self.offsets, self.units, self.num_slots = offsets.astype(np.int32), units.astype(np.int32), num_slots
 
+    @property
+    def programs(self) -> int:
+        return self.offsets.shape[0] - 1
+
+    @property
+    def size(self) -> int:
+        """The length of `flat()`."""
+        return self.offsets.shape[0] + self.units.shape[0] * ROW_FIELDS
+
     def flat(
-        self, counts: torch.Tensor, query_tiles: list, seq_lens: list, query_starts: list
-    ) -> torch.Tensor:
+        self, counts: torch.Tensor, query_tiles: list, seq_lens: list, query_starts: list, out=None
+    ) -> np.ndarray:
         """int32: the offsets, then each unit's ROW_FIELDS (what the kernel's `walk` points at), for
         lists with these counts [2, tiles, 1 or num_heads] over these (sequence, absolute query tile)
-        query tiles of sequences of these lengths and first query tokens (query_starts: [seqs + 1])."""
-        w, tiles = self.units[:, 0], len(query_tiles)
-        head, tile = w // tiles, tiles - 1 - w % tiles
-        seq, qtile = np.array(query_tiles, dtype=np.int32).reshape(-1, 2)[tile].T
-        seq_len, starts = np.array(seq_lens, dtype=np.int32), np.array(query_starts, dtype=np.int32)
-        programs = self.offsets.shape[0]
-        flat = np.empty(programs + self.units.shape[0] * ROW_FIELDS, dtype=np.int32)
+        query tiles of sequences of these lengths and first query tokens (query_starts: [seqs + 1]);
+        written into the front of `out` (int32) when given. A stand-in's row is zero but for its
+        unit's fields: sequence 0, tile 0, no query rows, no tiles."""
+        programs, units = self.offsets.shape[0], self.units
+        size = programs + units.shape[0] * ROW_FIELDS
+        flat = np.empty(size, dtype=np.int32) if out is None else out[:size]
         flat[:programs] = self.offsets
         rows = flat[programs:].reshape(-1, ROW_FIELDS)
-        rows[:, 0], rows[:, 1], rows[:, 2] = seq, qtile, head
-        rows[:, 3] = counts.numpy()[0, qtile, np.minimum(head, counts.shape[2] - 1)]
-        rows[:, 4 : 4 + UNIT_FIELDS - 1] = self.units[:, 1:]
-        rows[:, 9], rows[:, 11] = starts[seq], seq_len[seq]
-        rows[:, 10] = rows[:, 11] - (starts[seq + 1] - rows[:, 9])  # the sequence's context
-        return torch.from_numpy(flat)
+        rows[:, 4 : 4 + UNIT_FIELDS - 1] = units[:, 1:]
+        # Stand-ins (item -1) follow the items' units when a single round leaves programs idle
+        # (`_plan_walk`); slices, rather than a mask, cost a few µs less a plan.
+        real = int(np.count_nonzero(units[:, 0] >= 0))
+        trailing = bool((units[real:, 0] < 0).all())
+        items = rows[:real] if trailing else rows[units[:, 0] >= 0]
+        w = units[:real, 0] if trailing else units[units[:, 0] >= 0, 0]
+        if real:
+            pairs = np.asarray(query_tiles, dtype=np.int32).reshape(-1, 2)
+            tiles = pairs.shape[0]
+            head, tile = w // tiles, tiles - 1 - w % tiles
+            seq, qtile = pairs[tile].T
+            seq_len, starts = np.array(seq_lens, dtype=np.int32), np.array(query_starts, dtype=np.int32)
+            items[:, 0], items[:, 1], items[:, 2] = seq, qtile, head
+            per_head = counts.shape[2] > 1
+            items[:, 3] = counts.numpy()[0, qtile, head if per_head else 0]
+            items[:, 9], items[:, 11] = starts[seq], seq_len[seq]
+            items[:, 10] = items[:, 11] - (starts[seq + 1] - items[:, 9])  # the sequence's context
+        if not trailing:
+            rows[units[:, 0] >= 0] = items
+            rows[units[:, 0] < 0, :4], rows[units[:, 0] < 0, 9:] = 0, 0
+        elif real < units.shape[0]:
+            rows[real:, :4], rows[real:, 9:] = 0, 0
+        return flat
 
 
 def plan_walk(
-    counts: torch.Tensor, query_tiles: list, num_heads: int, programs: int, dealt_rounds: int, split: bool
+    counts: torch.Tensor,
+    query_tiles: list,
+    num_heads: int,
+    programs: int,
+    dealt_rounds: int,
+    split: bool,
+    every_program: bool = False,
 ) -> Walk:
     """The programs' work. Program p takes items p, p + programs, ... of the head-major walk, except in
     the last `dealt_rounds` rounds (0: none), where each round's costliest item goes to its
     least-loaded program. With `split`, the last round is dealt (whatever `dealt_rounds`), tile by
     tile so that the programs end together (`_deal_split`). `counts`: the lists' counts [2, tiles,
-    1 or num_heads] (CPU); `query_tiles`: the (sequence, absolute query tile) of each query tile."""
+    1 or num_heads] (CPU); `query_tiles`: the (sequence, absolute query tile) of each query tile.
+    With `every_program`, a program left without work gets a stand-in unit (item -1): a launch planned
+    for more items keeps its grid (a program reads its first unit's row before its loop)."""
+    walk = _plan_walk(counts, query_tiles, num_heads, programs, dealt_rounds, split, every_program)
+    idle = np.nonzero(np.diff(walk.offsets) == 0)[0] if every_program else ()
+    if len(idle):  # a split last round (a single round takes the stand-ins in `_plan_walk`)
+        units = np.insert(walk.units, walk.offsets[idle], STAND_IN, axis=0)
+        offsets = walk.offsets + np.concatenate([[0], np.cumsum(np.diff(walk.offsets) == 0)])
+        walk = Walk(offsets, units, walk.num_slots)
+    return walk
+
+
+def _plan_walk(counts, query_tiles, num_heads, programs, dealt_rounds, split, every_program) -> Walk:
+    """`plan_walk`'s walk, with its single round's stand-ins (`every_program`)."""
     # [2, tiles, 1 or num_heads], the last query tile first; numpy's indexing, several times cheaper
     # than torch's on these few elements (a plan's host time, every step of an engine).
     taken = counts.numpy()[:, [t for _, t in reversed(query_tiles)]]
@@ -210,11 +258,13 @@ def plan_walk(
     cost = full + PARTIAL_COST * partial + ITEM_COST  # an item's, in full tiles
     num_items = cost.shape[0]
     rounds = -(-num_items // programs)
-    if rounds == 1 and not split:  # an item a program, what the rounds below come to (a step's ~0.1 ms)
+    if rounds <= 1 and not split:  # an item a program, what the rounds below come to (a step's ~0.1 ms)
         w = np.argsort(-cost, kind="stable") if dealt_rounds else np.arange(num_items)
-        units = np.zeros((num_items, UNIT_FIELDS), dtype=np.int64)
-        units[:, 0], units[:, 2], units[:, 3], units[:, 5] = w, full[w] + partial[w], -1, 1
-        return Walk(np.minimum(np.arange(programs + 1), num_items), units, 0)
+        units = np.empty((programs if every_program else num_items, UNIT_FIELDS), dtype=np.int64)
+        units[:num_items, 0], units[:num_items, 2] = w, full[w] + partial[w]
+        units[:, 1], units[:, 3], units[:, 4], units[:, 5] = 0, -1, 0, 1
+        units[num_items:] = STAND_IN  # the idle programs', with `every_program`
+        return Walk(np.minimum(np.arange(programs + 1), units.shape[0]), units, 0)
     fixed = max(rounds - max(dealt_rounds, int(split)), 0)  # rounds taken in head-major order
     taken = np.full((rounds, programs), -1, dtype=np.int64)
     head_major = np.arange(fixed * programs).reshape(fixed, programs)
@@ -229,7 +279,7 @@ def plan_walk(
         taken[r, takers] = items
         loads[takers] += cost[items]
     split_units, num_slots = [], 0
-    if split:  # the last round split instead, where the cost model says it ends sooner
+    if split and rounds:  # the last round split instead, where the cost model says it ends sooner
         items = taken[-1][taken[-1] >= 0]
         before = loads.copy()
         np.subtract.at(before, np.nonzero(taken[-1] >= 0)[0], cost[items])
@@ -337,8 +387,9 @@ def launch(
     grid, device: torch.device, planned: dict, descriptors: "CacheDescriptors", walk: Walk
 ) -> BoundLaunch:
     """The bound launch of `hopper_prefill_kernel`, from the Triton kernel's planned arguments and grid
-    (query tiles, heads), whose planned tiles are followed by the walk's `flat()` entries. The launch
-    owns its split items' states and counts: a plan's runs must not overlap (one stream)."""
+    (query tiles, heads): its planned tiles buffer holds that many (sequence, tile) pairs, then the
+    walk's `flat()` entries. The launch owns its split items' states and counts: a plan's runs must not
+    overlap (one stream)."""
     names = set(hopper_prefill_kernel.arg_names)
     num_tiles, num_heads = grid
     if TIMELINE is not None:  # the kernel writes every stamp it may take: the buffer must hold them all

@@ -10,8 +10,7 @@ tables, layout arguments, the grid); `plan.run(q, k_cache, v_cache)` launches it
 of the planned shapes (every layer of a model step). `paged_prefill` is plan + run.
 """
 
-import functools
-
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -175,14 +174,21 @@ def paged_prefill_kernel(
     tl.store(lse + o_tok * num_heads + i_h, b_lse, mask=m_m)
 
 
-def _query_tiles(batch, block_m: int) -> list[tuple[int, int]]:
+def _query_tiles(seq_lens: list[int], query_starts: list[int], block_m: int) -> list[tuple[int, int]]:
     """(sequence, absolute query tile) of every query tile, sequences without queries skipped."""
     tiles = []
-    for b, seq_len in enumerate(batch.seq_lens):
-        context = seq_len - batch.query_len(b)
+    for b, seq_len in enumerate(seq_lens):
+        context = seq_len - (query_starts[b + 1] - query_starts[b])
         if context < seq_len:
             tiles += [(b, t) for t in range(context // block_m, (seq_len - 1) // block_m + 1)]
     return tiles
+
+
+def max_query_tiles(num_seqs: int, num_tokens: int, block_m: int) -> int:
+    """The most query tiles of `block_m` positions that num_tokens queries over num_seqs sequences can
+    touch: a sequence's q >= 1 queries span at most 1 + ceil((q - 1) / block_m) tiles, so K sequences
+    with queries span fewer than 2K + num_tokens / block_m; and no tile is without a query."""
+    return min(num_tokens, 2 * min(num_seqs, num_tokens) + num_tokens // block_m + 1)
 
 
 class PrefillPlan:
@@ -190,7 +196,10 @@ class PrefillPlan:
 
     Built by `plan_prefill` (the arguments of `paged_prefill`). `run(q, k_cache, v_cache)` refuses
     with ValueError tensors that do not match the plan, and a plan whose metadata tensors were
-    modified in place since it was built (a stale plan).
+    modified in place since it was built (a stale plan). `replan` takes new metadata written in place
+    within the plan's bounds (as many sequences, q's tokens, the block table's width); on the Hopper
+    path it keeps every launch argument (`fixed_launch`), so a run captured in a CUDA graph replays
+    the new batch.
     """
 
     def __init__(
@@ -214,60 +223,145 @@ class PrefillPlan:
         if hopper:  # the Triton fallback (misaligned run tensors) walks the Hopper path's tiles
             block_m, block_n = hopper_prefill.BLOCK_M, hopper_prefill.BLOCK_N
             num_warps, num_stages = hopper_prefill.FALLBACK_WARPS, 2
-        tiles = _query_tiles(batch, block_m)
+        self.block_m = block_m
+        tiles = _query_tiles(batch.seq_lens, batch.query_starts, block_m)
         self.grid = (len(tiles), batch.num_heads)
         self.hopper = self.walk = None
         if not tiles:
             return
-        lists = tile_lists.tile_lists(
+        self.lists = tile_lists.tile_lists(
             layout, batch.num_heads, max(batch.seq_lens), block_m, block_n, 1, device, halves=hopper
         )
-        # [num_tiles, 2]: (sequence, absolute query tile) of each program, then the Hopper path's walk
-        # (`hopper_prefill.Walk`): one host-to-device copy.
-        host = torch.tensor(tiles, dtype=torch.int32).view(-1)
+        # What `replan` covers: as many sequences and tokens, sequences as long as the table and the
+        # lists reach; the tiles buffer holds the most query tiles of such a batch.
+        max_len = min(
+            block_tables.shape[1] * batch.page_size, self.lists.mask.shape[1] * self.lists.block_size
+        )
+        self.bounds = (batch.num_seqs, q.shape[0], max_len)
+        self.max_tiles = max_query_tiles(batch.num_seqs, q.shape[0], block_m)
+        self.programs = (
+            hopper_prefill.num_programs((self.max_tiles, batch.num_heads), device) if hopper else 0
+        )
+        size = 2 * self.max_tiles
         if hopper:
-            self.walk = hopper_prefill.plan_walk(
-                lists.counts,
-                tiles,
-                batch.num_heads,
-                hopper_prefill.num_programs(self.grid, device),
-                hopper_prefill.BALANCED_ROUNDS if hopper_prefill.BALANCED_WALK else 0,
-                hopper_prefill.SPLIT_LAST,
-            )
-            host = torch.cat([host, self.walk.flat(lists.counts, tiles, batch.seq_lens, batch.query_starts)])
-        if device.type == "cuda":
-            host = host.pin_memory()
+            # The walk of any batch in bounds: a unit an item (or a stand-in), after the offsets; or
+            # this call's, split.
+            units = max(self.max_tiles * batch.num_heads, self.programs)
+            size += self.programs + 1 + units * hopper_prefill.ROW_FIELDS
+        host = torch.from_numpy(self._fill(tiles, batch.seq_lens, batch.query_starts))
+        buffer = torch.empty(max(size, host.shape[0]), dtype=torch.int32, device=device)
+        buffer[: host.shape[0]].copy_(host.pin_memory() if device.type == "cuda" else host, non_blocking=True)
+        # replan's pinned staging buffer and its copy's event, made at its first call
+        self.staging = self.copied = None
         # The kernel reads the block table as contiguous rows (a no-op when it already is).
         table = block_tables.contiguous()
         # Everything but q, out, lse and the caches, fixed at planning.
-        planned = dict(
+        self.planned = dict(
             **self.inputs.kwargs,
             block_tables=table,
             seq_lens=seq_lens.contiguous(),
             query_start_loc=query_start_loc.contiguous(),
-            tiles=host.to(device, non_blocking=True),
+            tiles=buffer,
             stride_bt=table.stride(0),
-            **list_kwargs(lists),
+            **list_kwargs(self.lists),
             **shared_launch_kwargs(batch, k_cache, block_n),
             BLOCK_M=block_m,
             BLOCK_N=block_n,
         )
-        self.triton_launch = functools.partial(
-            BoundLaunch,
-            paged_prefill_kernel,
-            self.grid,
-            device,
-            **planned,
+        self.launch_options = dict(
             num_warps=num_warps,
             num_stages=num_stages,
             **({} if MAX_REGISTERS is None else {"maxnreg": MAX_REGISTERS}),
         )
-        # The Triton launch is bound when a run first needs it: with the Hopper path, only for caches
-        # that are not 16-byte aligned.
-        self.launch = None if hopper else self.triton_launch()
-        if hopper:
+        self.launch = None  # the Triton launch, bound when a run first needs it (`triton_launch`)
+        if hopper:  # the Triton launch then serves only caches that are not 16-byte aligned
             self.descriptors = hopper_prefill.CacheDescriptors(k_cache)
-            self.hopper = hopper_prefill.launch(self.grid, device, planned, self.descriptors, self.walk)
+            self.hopper = hopper_prefill.launch(
+                (self.max_tiles, batch.num_heads), device, self.planned, self.descriptors, self.walk
+            )
+
+    def _fill(self, tiles: list, seq_lens: list[int], query_starts: list[int], out=None) -> np.ndarray:
+        """What the `tiles` buffer starts with (int32, written into the front of `out` when given): the
+        (sequence, absolute query tile) pair of each Triton program, then on the Hopper path, after
+        max_tiles pairs, the walk (`hopper_prefill.Walk`, made here: `self.walk`) over the plan's
+        programs."""
+        pairs = np.array(tiles, dtype=np.int32).reshape(-1)
+        size = pairs.shape[0]
+        if self.programs:
+            self.walk = hopper_prefill.plan_walk(
+                self.lists.counts,
+                tiles,
+                self.grid[1],
+                self.programs,
+                hopper_prefill.BALANCED_ROUNDS if hopper_prefill.BALANCED_WALK else 0,
+                hopper_prefill.SPLIT_LAST and self.walk is None,  # a replanned walk fits the launch's SPLIT
+                every_program=True,
+            )
+            size = 2 * self.max_tiles + self.walk.size
+        out = np.empty(size, dtype=np.int32) if out is None else out[:size]
+        out[: pairs.shape[0]] = pairs
+        if self.programs:
+            self.walk.flat(self.lists.counts, tiles, seq_lens, query_starts, out=out[2 * self.max_tiles :])
+        return out
+
+    def replan(self, seq_lens: list[int], query_start_loc: list[int]) -> None:
+        """Re-plans, in place, for new values that the caller has written into the planned metadata
+        tensors: the rows of `seq_lens`, then rows never read; block tables of the planned width whose
+        entries the caller vouches for (they are not read on the host). Costs no device sync.
+
+        Args:
+            seq_lens (list[int]): context plus new tokens, at most as many sequences as planned, each
+                at most as long as the planned block table (and layout) reaches.
+            query_start_loc (list[int]): len(seq_lens) + 1 cumulative query counts, at most q's tokens.
+        Raises:
+            ValueError: a batch outside those bounds, or not a batch (queries negative or more than
+                their sequence's length).
+        """
+        if not self.grid[0]:
+            raise ValueError("replan: this plan was made for a call without queries")
+        num_seqs, num_tokens, max_len = self.bounds
+        if len(seq_lens) > num_seqs or len(query_start_loc) != len(seq_lens) + 1:
+            raise ValueError(
+                f"replan: expected at most {num_seqs} seq_lens and one more query_start_loc, "
+                f"got {len(seq_lens)} and {len(query_start_loc)}"
+            )
+        if query_start_loc[0] != 0 or query_start_loc[-1] > num_tokens:
+            raise ValueError(f"replan: query_start_loc must run from 0 to at most {num_tokens}")
+        for b, seq_len in enumerate(seq_lens):
+            if not 0 <= query_start_loc[b + 1] - query_start_loc[b] <= seq_len <= max_len:
+                raise ValueError(f"replan: sequence {b} is not 0 <= queries <= length <= {max_len}")
+        tiles = _query_tiles(seq_lens, query_start_loc, self.block_m)
+        buffer = self.planned["tiles"]
+        if self.staging is None:
+            self.staging = torch.empty_like(buffer, device="cpu", pin_memory=buffer.is_cuda)
+            self.copied = torch.cuda.Event() if buffer.is_cuda else None
+        elif self.copied is not None:
+            self.copied.synchronize()  # the last replan's copy has left the staging buffer
+        used = self._fill(tiles, seq_lens, query_start_loc, out=self.staging.numpy()).shape[0]
+        buffer[:used].copy_(self.staging[:used], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+        self.grid = (len(tiles), self.grid[1])
+        self.launch = None
+        self.guard.rebase()
+
+    @property
+    def fixed_launch(self) -> bool:
+        """Whether `replan` keeps every launch argument (the Hopper path's persistent grid): a run
+        captured in a CUDA graph then replays the replanned batch."""
+        return self.hopper is not None
+
+    def triton_launch(self) -> BoundLaunch:
+        """The Triton kernel's launch over the current grid, bound on first use."""
+        if self.launch is None:
+            self.launch = BoundLaunch(
+                paged_prefill_kernel,
+                self.grid,
+                self.planned["tiles"].device,
+                **self.planned,
+                **self.launch_options,
+            )
+        return self.launch
 
     def run(self, q, k_cache, v_cache):
         """out [num_tokens, num_heads, head_dim] in q's dtype; with return_lse also lse float32."""
@@ -278,8 +372,7 @@ class PrefillPlan:
             if self.hopper is not None and hopper_prefill.aligned(k_in, v_in):
                 self.hopper(q_in, out, lse, self.descriptors(k_in), self.descriptors(v_in))
             else:
-                self.launch = self.launch or self.triton_launch()
-                self.launch(q_in, out, lse, k_in, v_in)
+                self.triton_launch()(q_in, out, lse, k_in, v_in)
         return (out, lse) if self.return_lse else out
 
 

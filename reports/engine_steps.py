@@ -2,8 +2,10 @@
 
 Rows (GPU settings): the prefill step of an L-token prompt with share h of it cached (the step that
 samples its first token), and decode steps at batch B over C-token contexts, of the 4- and the
-32-layer model, each twice in one process: CUDA graphs on (the engine's default) and off
-(`enforce_eager`), the A/B of engine/cuda_graphs.py. Columns, medians over the timed steps after
+32-layer model, each in one process with CUDA graphs on (the engine's default: a prefill step of at most
+2048 tokens whole, attention included), prefill steps in pieces around eager attention
+(`StepGraphs.whole_prefill` off) and without graphs (`enforce_eager`), the A/Bs of
+engine/cuda_graphs.py. Columns, medians over the timed steps after
 warm-up ones:
     step ms     `LLM.step` wall time, host to sampled token (it ends with the sampling's device read);
     host ms     from the step's start to its sampling (every kernel enqueued; a plan's validation sync
@@ -12,8 +14,9 @@ warm-up ones:
     launches    kernel launches a step (runtime API calls, graph launches counted once);
     host/layer  (host - launch API time) / layers, in µs: the host's own work a layer beyond the
                 launches themselves (issue 17: about 30 µs at most);
-    phases      the host's ms in the scheduler, `prepare`, the plans, the sampler (its wait for the
-                device included) and `postprocess` (`StepClock`).
+    phases      the host's ms in the scheduler, `prepare`, the plans, a whole step's graphs (their inputs
+                packed and copied, the prefill plans replanned, the replays launched), the sampler (its
+                wait for the device included) and `postprocess` (`StepClock`).
 `python3 -m reports.engine_steps [--out DIR] [--profile N]` runs the GPU settings and writes
 engine-steps.{md,json} (`--profile N`: also the N operators of most host time per row, from the
 profiler, to the log); `--smoke` a tiny CPU setting that checks the script, not the numbers.
@@ -49,10 +52,15 @@ class Row:
     share: float = 0.0  # prefill: the share of the prompt cached
     batch: int = 1  # decode: sequences a step
     eager: bool = False  # LLM(enforce_eager=...): no CUDA graphs
+    pieces: bool = False  # prefill steps in piece graphs around eager attention (whole_prefill off)
+
+    @property
+    def graphs(self) -> str:
+        return "no" if self.eager else "pieces" if self.pieces else "yes"
 
 
 GPU_ROWS = tuple(
-    Row(*args, eager=eager)
+    Row(*args, eager=eager, pieces=pieces)
     for args in (
         ("phi3-small-attn", "prefill", 2048, 0.0),
         ("phi3-small-attn", "prefill", 2048, 0.9),
@@ -62,7 +70,8 @@ GPU_ROWS = tuple(
         ("phi3-small", "decode", 1024, 0.0, 1),
         ("phi3-small", "decode", 1024, 0.0, 64),
     )
-    for eager in (False, True)
+    for eager, pieces in ((False, False), (False, True), (True, False))
+    if not pieces or args[1] == "prefill"
 )
 SMOKE_ROWS = (Row("tiny", "prefill", 64, 0.5, eager=True), Row("tiny", "decode", 48, batch=4, eager=True))
 
@@ -78,7 +87,7 @@ class StepClock:
     a step reaches its sampler (every kernel enqueued). What the phases leave of a step's host time is
     the forward pass's own: the layers (or their graphs' replays) and the attention runs."""
 
-    PHASES = ("schedule", "prepare", "plans", "sample", "postprocess")
+    PHASES = ("schedule", "prepare", "plans", "graphs", "sample", "postprocess")
 
     def __init__(self, llm: LLM):
         self.reached = None
@@ -86,6 +95,8 @@ class StepClock:
         self._wrap(llm.scheduler, "schedule", "schedule")
         self._wrap(llm.scheduler, "postprocess", "postprocess")
         self._wrap(llm.runner, "prepare", "prepare")
+        if llm.runner.graphs is not None:
+            self._wrap(llm.runner.graphs, "step_logits", "graphs")
         self._wrap(llm.runner, "_sample", "sample", stamp=True)
         planners = llm.runner.ops.planners
         for name, planner in list(planners.items()):
@@ -120,10 +131,16 @@ def _engine(row: Row) -> LLM:
     options = dict(enforce_eager=row.eager)
     if row.kind == "prefill":
         pages = 2 * math.ceil(row.tokens / 16) + 8
-        return LLM(row.model, num_pages=pages, max_num_batched_tokens=row.tokens, max_num_seqs=4, **options)
-    pages = row.batch * math.ceil((row.tokens + 64) / 16) + 8
-    budget = max(row.tokens, min(16384, row.batch * row.tokens))
-    return LLM(row.model, num_pages=pages, max_num_batched_tokens=budget, max_num_seqs=row.batch, **options)
+        llm = LLM(row.model, num_pages=pages, max_num_batched_tokens=row.tokens, max_num_seqs=4, **options)
+    else:
+        pages = row.batch * math.ceil((row.tokens + 64) / 16) + 8
+        budget = max(row.tokens, min(16384, row.batch * row.tokens))
+        llm = LLM(
+            row.model, num_pages=pages, max_num_batched_tokens=budget, max_num_seqs=row.batch, **options
+        )
+    if row.pieces:
+        llm.runner.graphs.whole_prefill = False
+    return llm
 
 
 def _prefill_steps(llm: LLM, row: Row, runs: int):
@@ -233,6 +250,11 @@ def measure(row: Row, warmup: int, runs: int, top: int) -> dict:
     return result, table
 
 
+def _fields(result: dict) -> dict:
+    """The Row fields of a result (older results lack `pieces`)."""
+    return {name: result.get(name, False) for name in Row.__dataclass_fields__}
+
+
 def write_markdown(path: pathlib.Path, rows: list[dict], env: str) -> None:
     lines = [
         "# Engine step: host and device time",
@@ -241,13 +263,13 @@ def write_markdown(path: pathlib.Path, rows: list[dict], env: str) -> None:
         "",
         "| model | step | tokens | h / batch | graphs | step ms | host ms | kernels ms | step / kernels | "
         "launches | launch API ms | host/layer beyond launches µs | host ms: schedule / prepare / plans / "
-        "sample / postprocess |",
+        "graphs / sample / postprocess |",
         "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
         which = f"h {r['share']:.2f}" if r["kind"] == "prefill" else f"B {r['batch']}"
         lines.append(
-            f"| {r['model']} | {r['kind']} | {r['tokens']} | {which} | {'no' if r['eager'] else 'yes'} | "
+            f"| {r['model']} | {r['kind']} | {r['tokens']} | {which} | {Row(**_fields(r)).graphs} | "
             f"{r['step_ms']:.2f} | {r['host_ms']:.2f} | "
             f"{r['kernels_ms']:.3f} | {r['step_over_kernels']:.2f} | {r['launches']:.0f} | "
             f"{r['launch_api_ms']:.2f} | {r['host_per_layer_us']:.0f} | "

@@ -28,6 +28,10 @@
 #                                             --previous .ab" adds its variants and the previous
 #                                             commit's, carry .ab; "--vllm .vllm" vLLM's kernel, carry
 #                                             .vllm) and ncu's stall reasons (NCU_LAUNCHES=0: none)
+#   bash reports/gpu_check.sh OUT_DIR engine   the engine's graphs and the planned prefill's replans on the
+#                                             GPU (tests/engine, the plan, walk, specialization and
+#                                             Hopper tests), then reports/engine_steps.py and the
+#                                             engine TTFT (issue 17)
 #   bash reports/gpu_check.sh OUT_DIR verdicts-rest    sharpness and false alarms on the GPU
 #                                             (sharpness.md), and an illegal memory access in the
 #                                             campaign (worker replaced), in --replay and in pytest
@@ -135,6 +139,14 @@ BREAKS
       --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed.sum,gpu__time_duration.sum" \
       python3 -m reports.hopper_ab --out /tmp/hopper-profile --only profile ${HOPPER_AB_ARGS:-}
     ;;
+  engine)
+    step "${ENGINE_TESTS_CAP:-200}" engine-tests python3 -m pytest -q -n 8 -rf -p no:cacheprovider tests/engine \
+      tests/kernels/test_plan.py tests/kernels/test_walk.py tests/kernels/test_specialization.py \
+      tests/kernels/test_hopper_prefill.py
+    tail -n 3 "$out/engine-tests.log" >> "$out/summary.txt"
+    step 150 engine-steps python3 -m reports.engine_steps --out "$out" --runs "${ENGINE_RUNS:-3}"
+    step 260 engine-ttft python3 -m reports.bench_engine --out "$out" --time-cap 240
+    ;;
   kernels)
     step 480 bench-kernels python3 -m reports.bench --only kernels --out "$out" --previous .ab
     ;;
@@ -177,7 +189,7 @@ BREAKS
       first-failure-replay="$out/first-failure-replay.json" > /dev/null
     grep -h "worker(s) on\|done in\|summary:" "$out"/campaign-*.log "$out"/first-failure-*.log >> "$out/summary.txt"
     ;;
-  *) echo "unknown part $part (suite, bench, layouts, kernels, probe, hopper, verdicts-tests, verdicts-rest or campaign)"; exit 2 ;;
+  *) echo "unknown part $part (suite, bench, engine, layouts, kernels, probe, hopper, verdicts-tests, verdicts-rest or campaign)"; exit 2 ;;
 esac
 cat "$out/summary.txt"
 # The device tool returns at most eight files per call: everything also goes back as one archive.

@@ -16,29 +16,33 @@ from tests.budgets import examples
 from tests.engine.test_engine import TRITON_STREAMS, assert_equivalent, make_llm, run_stream
 
 
-def with_graphs(llm: LLM) -> LLM:
-    """`llm` replaying graphs: CUDA graphs on a GPU, the stand-in without one."""
+def with_graphs(llm: LLM, whole_prefill: bool = True) -> LLM:
+    """`llm` replaying graphs: CUDA graphs on a GPU, the stand-in without one; prefill steps whole or
+    (`whole_prefill=False`) piece by piece around eager attention."""
     if llm.runner.graphs is None:
         assert not torch.cuda.is_available(), "the engine runs eagerly on a GPU by default"
         llm.runner.graphs = StepGraphs(llm.runner, whole_decode=True, capture=rerun_capture)
+    llm.runner.graphs.whole_prefill = whole_prefill
     return llm
 
 
-def used(llm: LLM) -> tuple[int, int]:
-    """(decode graphs, piece-graph buckets) that the engine captured."""
-    return len(llm.runner.graphs.decode), len(llm.runner.graphs.pieces)
+def used(llm: LLM) -> tuple[int, int, int]:
+    """(decode graphs, prefill graphs, piece-graph buckets) that the engine captured."""
+    graphs = llm.runner.graphs
+    return len(graphs.decode), len(graphs.prefill), len(graphs.pieces)
 
 
 @examples(0.05)
 @given(stream=TRITON_STREAMS)
 def test_graph_steps_equal_eager_steps(stream):
     cold = run_stream(make_llm(stream, backend="triton", caching=False, enforce_eager=True), stream)
-    for caching in (True, False):
-        llm = with_graphs(make_llm(stream, backend="triton", caching=caching))
+    for caching, whole_prefill in ((True, True), (False, True), (True, False)):
+        llm = with_graphs(make_llm(stream, backend="triton", caching=caching), whole_prefill)
         assert_equivalent(run_stream(llm, stream), cold)
-        decode, pieces = used(llm)
-        assert pieces, "no step ran through the piece graphs"
-        event(f"decode graphs used: {decode > 0}")
+        decode, prefill, pieces = used(llm)
+        assert prefill or pieces, "no prefill step ran through graphs"
+        assert whole_prefill or not prefill
+        event(f"decode graphs used: {decode > 0}; prefill graphs: {prefill > 0}; pieces: {pieces > 0}")
 
 
 def test_graphs_pad_rows_and_share_buckets():
@@ -57,7 +61,7 @@ def test_graphs_pad_rows_and_share_buckets():
     assert_equivalent(llm.generate(prompts, params), cold)  # prefix-cache hits, graphs reused
     decode = sorted(llm.runner.graphs.decode)
     assert decode and any(rows > 1 for rows, _ in decode), decode
-    assert len(llm.runner.graphs.pieces) >= 2
+    assert llm.runner.graphs.prefill and llm.runner.graphs.pieces  # mixed steps go piece by piece
 
 
 def test_backend_without_the_graphs_capability_decodes_eagerly():
@@ -79,17 +83,20 @@ def test_buckets():
     assert buckets(300, 256) == [256, 300]
 
 
-def test_piece_graph_padding_rows_write_no_kv():
+@pytest.mark.parametrize("whole_prefill", [True, False])
+def test_prefill_graph_padding_rows_write_no_kv(whole_prefill):
     """A prefill of fewer tokens than an earlier one of its bucket, into pages that the earlier request
-    held: the earlier rows left in the bucket must not write their K/V over the new request's."""
+    held: the earlier rows left in the bucket must not write their K/V over the new request's (whole
+    prefill graphs, and pieces around eager attention)."""
     options = dict(backend="triton", num_pages=8, page_size=8, max_num_batched_tokens=40, dtype="float32")
     params = SamplingParams(max_tokens=2)
     prompts = [[3] * 30, [4] * 20, [5] * 20]  # each prompt's pages come from the ones freed before it
     eager = LLM("tiny", enforce_eager=True, record_logits=True, enable_prefix_caching=False, **options)
-    llm = with_graphs(LLM("tiny", record_logits=True, **options))
+    llm = with_graphs(LLM("tiny", record_logits=True, **options), whole_prefill)
     for prompt in prompts:
         assert_equivalent(llm.generate([prompt], params), eager.generate([prompt], params))
-    assert sorted(llm.runner.graphs.pieces) == [32]
+    graphs = llm.runner.graphs
+    assert sorted(graphs.prefill if whole_prefill else graphs.pieces) == [32]
 
 
 @pytest.mark.parametrize("num_layers", [1, 2, 3, 4, 7, 32])
@@ -98,3 +105,21 @@ def test_segments_cover_the_layers_doubling(num_layers):
     assert [i for part in parts for i in part] == list(range(num_layers))
     assert all(len(part) == 2**j for j, part in enumerate(parts[:-1]))
     assert 1 <= len(parts[-1]) <= 2 ** (len(parts) - 1)
+
+
+def test_prefill_plans_that_cannot_replan_in_place_go_piece_by_piece():
+    """Under a real capture (here any capture but the stand-in, whose replays plan again), prefill
+    plans whose launches do not survive `replan` (the Triton path: its grid follows the batch) leave
+    prefill steps to the piece graphs, and their whole-step graph is never captured."""
+
+    def capture(forward, pool, plans):
+        return rerun_capture(forward, pool, plans)
+
+    options = dict(backend="triton", num_pages=16, dtype="float32", record_logits=True)
+    params = SamplingParams(max_tokens=3)
+    llm = LLM("tiny", **options)
+    llm.runner.graphs = graphs = StepGraphs(llm.runner, whole_decode=True, capture=capture)
+    eager = LLM("tiny", enforce_eager=True, **options)
+    assert_equivalent(llm.generate([[1, 2, 3, 4, 5]], params), eager.generate([[1, 2, 3, 4, 5]], params))
+    assert graphs.prefill and graphs.pieces
+    assert not any(graph.supported or hasattr(graph, "replays") for graph in graphs.prefill.values())

@@ -15,6 +15,7 @@ import torch
 from backends import registry
 from harness.cases import AttentionCase, LayoutSpec, attention_args, build_inputs
 from harness.judge import judge_attention, oracle
+from tests.kernels import test_plan
 
 hopper_prefill = importlib.import_module("kernels.hopper_prefill")
 paged_prefill = importlib.import_module("kernels.paged_prefill")
@@ -147,6 +148,25 @@ def test_hopper_prefill_v_checked_first(hopper_path, monkeypatch, name, poison):
     monkeypatch.setattr(hopper_prefill, "V_CHECK_AFTER", False)
     plan = _judge(name, poison)
     assert not plan.hopper.planned["V_CHECK_AFTER"], "the plan checked V after the product"
+
+
+@pytest.mark.parametrize(
+    "name", ["dense-P64-batch", "dense-P8-D64-fp16-batch", "elements-S16-P32", "phi3-ctx0-q4096"]
+)
+def test_hopper_prefill_replanned_in_a_cuda_graph(hopper_path, name):
+    """A plan made for one more sequence, each at the table's whole length, captured in a CUDA graph,
+    then replanned for the case in place and replayed (`PrefillPlan.replan`), against the oracle: the
+    small batches leave programs of the planned grid without an item (stand-in units)."""
+    case, plans = CASES[name], []
+    inputs = build_inputs(case, "cuda")
+    impl = test_plan.prefill_replanned(registry.load("triton"), plans)
+    verdict = judge_attention(
+        impl, case, decode=False, device="cuda", inputs=inputs, truth=oracle(inputs), check_without_lse=True
+    )
+    assert verdict.status == "passed", verdict.message
+    assert plans and all(plan.fixed_launch for plan in plans), "the plan did not take the Hopper path"
+    if name != "phi3-ctx0-q4096":
+        assert any((plan.walk.units[:, 0] < 0).any() for plan in plans), "no stand-in unit"
 
 
 def _judge(name, poison, cases=CASES):

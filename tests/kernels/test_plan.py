@@ -13,7 +13,7 @@ import reference
 from harness.cases import AttentionCase, LayoutSpec, attention_args, build_inputs
 from harness.judge import judge_attention
 from harness.strategies import attention_cases
-from tests.kernels import test_paged_decode
+from tests.kernels import test_paged_decode, test_paged_prefill
 
 pytestmark = pytest.mark.planned
 CASE = AttentionCase(
@@ -252,3 +252,106 @@ def test_decode_plan_bounds_cover_an_earlier_longer_row(impl, device, expect):
         _decode_planned_at_bounds(impl), case, decode=True, device=device, inputs=inputs
     )
     expect(verdict, single=True)
+
+
+def prefill_replanned(impl, plans: list | None = None):
+    """`impl` whose paged_prefill plans as the engine's prefill graphs do (engine/cuda_graphs.py): over
+    one sequence more than the call's (never read after), each at the block table's whole width over
+    page 0; then writes the call's metadata into the planned tensors, replans and runs, the run captured
+    in a CUDA graph before the rewrite when the plan keeps its launch (`fixed_launch`). Each plan is
+    appended to `plans`."""
+    plan_prefill = impl.planners["plan_prefill"]
+
+    def paged_prefill(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        *,
+        scale=None,
+        layout=None,
+        return_lse=False,
+    ):
+        options = dict(scale=scale, layout=layout, return_lse=return_lse)
+        if q.shape[0] == 0:  # a plan without queries has nothing to replan
+            return plan_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, **options).run(
+                q, k_cache, v_cache
+            )
+        seqs, width = block_tables.shape
+        bound = width * k_cache.shape[1]
+        if hasattr(layout, "num_blocks"):  # a block mask of its own size (reference.BlockMaskLayout)
+            bound = min(bound, layout.num_blocks * layout.block_size)
+        table = block_tables.new_zeros(seqs + 1, width)
+        lens = seq_lens.new_full((seqs + 1,), bound)
+        starts = torch.cat([query_start_loc, query_start_loc[-1:]])
+        plan = plan_prefill(q, k_cache, v_cache, table, lens, starts, **options)
+        if plans is not None:
+            plans.append(plan)
+        graph = None
+        if q.is_cuda and plan.fixed_launch:
+            plan.run(q, k_cache, v_cache)  # compiles, outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = plan.run(q, k_cache, v_cache)
+        table[:seqs].copy_(block_tables)
+        lens[:seqs].copy_(seq_lens)
+        starts[: seqs + 1].copy_(query_start_loc)
+        plan.replan(seq_lens.tolist(), query_start_loc.tolist())
+        if graph is None:
+            return plan.run(q, k_cache, v_cache)
+        graph.replay()
+        return captured
+
+    return dataclasses.replace(impl, paged_prefill=paged_prefill)
+
+
+@pytest.mark.requires(graphs=True)
+@pytest.mark.operator("paged_prefill")
+@given(data=st.data())
+def test_prefill_plan_replanned_within_its_bounds(impl, device, expect, data):
+    """The `graphs` capability: a prefill plan made for one more sequence, all of the table's whole
+    length, then rewritten in place with the call's metadata and replanned (on the GPU, replayed from a
+    CUDA graph captured before), gives the call's attention (contract §5 against the oracle)."""
+    case = data.draw(attention_cases(caps=impl.capabilities, **test_paged_prefill.CAPS))
+    expect(judge_attention(prefill_replanned(impl), case, decode=False, device=device))
+
+
+@given(
+    st.sampled_from([16, 32, 64, 128]),
+    st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3), st.integers(0, 300)), min_size=1, max_size=8),
+)
+def test_max_query_tiles_bounds_every_batch(block_m, rows):
+    """`max_query_tiles` holds the query tiles of any batch of that many sequences and tokens; contexts
+    ending just before a tile's end make few queries straddle two tiles, its worst case."""
+    paged_prefill = importlib.import_module("kernels.paged_prefill")
+    contexts = [max(0, tiles * block_m - before) for tiles, before, _ in rows]
+    lens = [context + query for context, (_, _, query) in zip(contexts, rows, strict=True)]
+    starts = [0]
+    for *_, query in rows:
+        starts.append(starts[-1] + query)
+    tiles = paged_prefill._query_tiles(lens, starts, block_m)
+    assert len(tiles) <= paged_prefill.max_query_tiles(len(rows), starts[-1], block_m)
+
+
+@pytest.mark.parametrize(
+    ("lens", "starts", "match"),
+    [
+        ([70, 33, 5], [0, 30, 63, 63], "at most 2 seq_lens"),
+        ([70], [0, 30, 63], "one more query_start_loc"),
+        ([70, 33], [0, 30, 64], "from 0 to at most 63"),
+        ([20, 33], [0, 30, 63], "sequence 0"),
+        ([70, 10**6], [0, 30, 63], "sequence 1"),
+    ],
+)
+def test_prefill_replan_refuses_a_batch_out_of_its_bounds(device, lens, starts, match):
+    """A replan outside the plan's bounds (sequences, q's tokens, the table's reach) or not a batch is
+    a ValueError naming what is wrong; the plan still runs its last batch after."""
+    paged_prefill = importlib.import_module("kernels.paged_prefill")
+    inputs = build_inputs(CASE, device)
+    plan = paged_prefill.plan_prefill(*attention_args(inputs, False), layout=inputs["layout"])
+    before = plan.run(inputs["q"], inputs["k_cache"], inputs["v_cache"])
+    with pytest.raises(ValueError, match=match):
+        plan.replan(lens, starts)
+    assert torch.equal(plan.run(inputs["q"], inputs["k_cache"], inputs["v_cache"]), before)

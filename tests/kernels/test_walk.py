@@ -85,6 +85,32 @@ def test_walk_takes_every_tile_once(problem, dealt_rounds, split):
     assert walk.offsets.shape[0] == programs + 1
 
 
+@examples(6)
+@given(problems(), st.integers(0, 40), st.booleans())
+def test_walk_for_every_program_gives_an_idle_program_one_stand_in(problem, extra, split):
+    """`every_program` (a launch planned for more items, replanned): each program takes at least one
+    unit, a program without work exactly one stand-in (item -1, no tiles, a whole item's fields), and
+    the items' units are those of the walk without it; the stand-ins' rows are zero but for those
+    fields. Also when there is no query tile at all."""
+    counts, query_tiles, heads, programs = problem
+    if extra == 40:
+        query_tiles = []
+    programs += extra  # more programs than items, as a replanned launch may have
+    plain = plan_walk(counts, query_tiles, heads, programs, 1, split)
+    walk = plan_walk(counts, query_tiles, heads, programs, 1, split, every_program=True)
+    for before, after in zip(program_units(plain), program_units(walk), strict=True):
+        if before.shape[0]:
+            assert np.array_equal(before, after)
+        else:
+            assert after.tolist() == [[-1, 0, 0, -1, 0, 1]]
+    seqs = max((b for b, _ in query_tiles), default=0) + 1
+    flat = walk.flat(counts, query_tiles, [900] * seqs, list(range(0, 10 * seqs + 1, 10)))
+    rows = flat[programs + 1 :].reshape(-1, hopper_prefill.ROW_FIELDS)
+    assert (flat[: programs + 1] == walk.offsets).all()
+    assert (rows[walk.units[:, 0] < 0] == [0, 0, 0, 0, 0, 0, -1, 0, 1, 0, 0, 0]).all()
+    assert (rows[walk.units[:, 0] >= 0, 11] == 900).all()
+
+
 @examples(4)
 @given(problems(), st.sampled_from([0, 1, 3]), st.booleans())
 def test_walk_keeps_the_rounds_before_the_dealt_ones_head_major(problem, dealt_rounds, split):
@@ -156,7 +182,7 @@ def test_walk_rows_are_each_units_item_and_metadata(problem, split):
     seqs = max(b for b, _ in query_tiles) + 1
     seq_lens = [1000 + 7 * b for b in range(seqs)]
     starts = np.cumsum([0] + [100 + b for b in range(seqs)]).tolist()
-    flat = walk.flat(counts, query_tiles, seq_lens, starts).numpy()
+    flat = walk.flat(counts, query_tiles, seq_lens, starts)
     assert (flat[: programs + 1] == walk.offsets).all()
     rows = flat[programs + 1 :].reshape(-1, hopper_prefill.ROW_FIELDS)
     tiles = len(query_tiles)
