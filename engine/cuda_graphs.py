@@ -169,9 +169,9 @@ class StepGraph:
     def _capture(self, runner, meta, inputs: StaticInputs, logits_rows: torch.Tensor, capture, pool) -> bool:
         """Plans and compiles in an eager run, then captures unless the plans cannot be replayed
         (`_replayable`); returns whether it captured."""
-        self.meta = meta
-        # Held by the graph's object: a replay reads whatever memory it was captured with.
-        self.logits_rows = logits_rows
+        # Held by the graph's object (the metadata with its plans' buffers, the logits rows): a replay
+        # reads whatever memory it was captured with.
+        self.meta, self.logits_rows = meta, logits_rows
         dev, model = inputs.device, runner.model
         attend = lambda i, q, k, v: runner.attend(meta, i, q, k, v)  # noqa: E731
 
@@ -275,7 +275,7 @@ class DecodeGraph(StepGraph):
 class PrefillGraph(StepGraph):
     """The graph of steps of at most `tokens` tokens over at most `seqs` sequences, each computing at least
     two tokens (one-token rows take `paged_decode`): the prefill plans, made at capture over `seqs`
-    sequences of the cache's whole capacity, are replanned every step (`PrefillPlan.replan`) and keep
+    sequences, one of the cache's whole capacity, are replanned every step (`PrefillPlan.replan`) and keep
     their launches. Only for plans that say so (`fixed_launch`), or under `rerun_capture`, which runs
     them again; `supported` is False otherwise."""
 
@@ -307,13 +307,16 @@ class PrefillGraph(StepGraph):
             prefill_seq_lens=dev["seq_lens"],
             prefill_query_start_loc=dev["query_start_loc"],
         )
-        # The capture's batch: every sequence as long as the cache over page 0, the tokens shared out;
-        # nothing written (slots -1). The plans cover any batch of as many sequences and tokens.
+        # The capture's batch: the tokens shared out over as many sequences, the first as long as the cache
+        # (the plans then cover any batch of as many sequences and tokens, each up to that long), the
+        # others no longer than their queries (the capture's eager run attends less); all over page 0,
+        # nothing written (slots -1).
         f, capacity = inputs.fields, self.width * self.page
         share = [tokens // seqs + (b < tokens % seqs) for b in range(seqs)]
         f["input_ids"][:], f["positions"][:], f["slots"][:] = 0, 0, -1
         f["logits_rows"][:] = 0
-        f["seq_lens"][:] = capacity
+        f["seq_lens"][:] = share
+        f["seq_lens"][0] = capacity
         f["query_start_loc"][:] = np.cumsum([0, *share])
         f["tables"][:] = 0
         inputs.copy()

@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import reference
+from engine.cuda_graphs import cuda_capture
 from harness.cases import AttentionCase, LayoutSpec, attention_args, build_inputs
 from harness.judge import judge_attention
 from harness.strategies import attention_cases
@@ -289,19 +290,17 @@ def prefill_replanned(impl, plans: list | None = None):
         plan = plan_prefill(q, k_cache, v_cache, table, lens, starts, **options)
         if plans is not None:
             plans.append(plan)
-        graph = None
+        replay = None
         if q.is_cuda and plan.fixed_launch:
             plan.run(q, k_cache, v_cache)  # compiles, outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                captured = plan.run(q, k_cache, v_cache)
+            replay, captured = cuda_capture(lambda: plan.run(q, k_cache, v_cache), None, {})
         table[:seqs].copy_(block_tables)
         lens[:seqs].copy_(seq_lens)
         starts[: seqs + 1].copy_(query_start_loc)
         plan.replan(seq_lens.tolist(), query_start_loc.tolist())
-        if graph is None:
+        if replay is None:
             return plan.run(q, k_cache, v_cache)
-        graph.replay()
+        replay()
         return captured
 
     return dataclasses.replace(impl, paged_prefill=paged_prefill)
