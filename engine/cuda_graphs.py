@@ -101,6 +101,11 @@ def buckets(largest: int, smallest: int = 1) -> list[int]:
     return out
 
 
+def _int_code(dtype: torch.dtype) -> str:
+    """The struct code of an int64 or int32 field."""
+    return "q" if dtype.itemsize == 8 else "i"
+
+
 class StaticInputs:
     """A graph's integer inputs at fixed places: fields packed on the host into ordinary memory, copied
     into pinned memory, then to the device in one asynchronous copy. Packing straight into the pinned
@@ -133,15 +138,16 @@ class StaticInputs:
         """Writes Python ints into field `name` from element `start` (struct converts them several times
         faster than numpy does)."""
         at, dtype, _ = self.spans[name]
-        code = "q" if dtype.itemsize == 8 else "i"
-        struct.pack_into(f"<{len(values)}{code}", self.packed, at + start * dtype.itemsize, *values)
+        struct.pack_into(
+            f"<{len(values)}{_int_code(dtype)}", self.packed, at + start * dtype.itemsize, *values
+        )
 
     def packer(self, *names: str) -> Callable[..., None]:
         """A function that writes consecutive fields whole, a list of ints each, in one `struct` call."""
         layout, end = ["<"], self.spans[names[0]][0]
         for name in names:
             at, dtype, n = self.spans[name]
-            layout.append(f"{at - end}x{n}{'q' if dtype.itemsize == 8 else 'i'}")
+            layout.append(f"{at - end}x{n}{_int_code(dtype)}")
             end = at + n * dtype.itemsize
         pack, start = struct.Struct("".join(layout)).pack_into, self.spans[names[0]][0]
         return lambda *lists: pack(self.packed, start, *itertools.chain(*lists))
