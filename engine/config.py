@@ -46,6 +46,10 @@ class EngineConfig:
         enforce_eager (bool):
             Run every step eagerly. Otherwise, on a GPU with a backend that declares the `graphs`
             capability, decode steps replay CUDA graphs (engine/cuda_graphs.py). Default: `False`.
+        async_decode (bool):
+            A decode step replayed from a CUDA graph launches the next decode step before its tokens
+            are read, when every running sequence goes on decoding greedily (`LLM.step`): the GPU then
+            runs while the host reads, schedules and packs. Default: `True`.
     """
 
     model: str = "tiny"
@@ -60,6 +64,7 @@ class EngineConfig:
     device: str | None = None
     record_logits: bool = False
     enforce_eager: bool = False
+    async_decode: bool = True
 
     def __post_init__(self):
         if not isinstance(self.model, str):
@@ -69,7 +74,7 @@ class EngineConfig:
         check_int("seed", self.seed, 0)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         check_int("max_num_seqs", self.max_num_seqs, 1)
-        for name in ("enable_prefix_caching", "record_logits", "enforce_eager"):
+        for name in ("enable_prefix_caching", "record_logits", "enforce_eager", "async_decode"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
         if self.backend is None:

@@ -228,6 +228,7 @@ class DecodeGraph(StepGraph):
                 ("positions", torch.int64, batch),
                 ("slots", torch.int64, batch),
                 ("seq_lens", torch.int32, batch),
+                ("feed", torch.int64, batch),
                 ("tables", torch.int32, batch * self.width),
             ],
             device,
@@ -251,14 +252,17 @@ class DecodeGraph(StepGraph):
         self._write([], pad_len=context)
         self._capture(runner, meta, inputs, torch.arange(batch, device=device), capture, pool)
 
-    def _write(self, batch, pad_len: int = 1) -> None:
-        """Packs the rows of `batch` (ScheduledSeq, one token each), then padding, and copies them in."""
+    def _write(self, batch, pad_len: int = 1, feed_rows: list[int] | None = None) -> None:
+        """Packs the rows of `batch` (ScheduledSeq, one token each), then padding, and copies them in.
+        With `feed_rows` (see `run`), the rows' tokens are not read on the host (not known there yet)."""
         page, width, pad = self.page, self.width, self.batch - len(batch)
-        ids, positions, slots, lens, tables = [], [], [], [], []
+        fed = feed_rows is not None
+        ids, positions, slots, lens, tables = [0] * len(batch) if fed else [], [], [], [], []
         for item in batch:
             seq = item.seq
             p, table = seq.num_computed_tokens, seq.block_table
-            ids.append(seq.token_ids[p])
+            if not fed:
+                ids.append(seq.token_ids[p])
             positions.append(p)
             lens.append(p + 1)
             slots.append(table[p // page] * page + p % page)
@@ -269,12 +273,18 @@ class DecodeGraph(StepGraph):
         self.pack_rows(ids, zeros, positions, zeros, slots, [-1] * pad, lens, [pad_len] * pad)
         self.inputs.pack("tables", tables)
         self.tables[len(batch) :] = 0
+        if fed:
+            self.inputs.pack("feed", feed_rows)
         self.inputs.copy()
 
-    def run(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, batch, feed: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits float32 [len(batch), vocab_size] of a decode step of at most `self.batch` rows, and
-        their `greedy_pairs` [len(batch), 2]."""
-        self._write(batch)
+        their `greedy_pairs` [len(batch), 2]. feed: (pairs, rows), the rows' tokens taken on the device
+        from column 0 of pairs [n, 2] at rows (a list, one per row of `batch`)."""
+        self._write(batch, feed_rows=None if feed is None else feed[1])
+        if feed is not None:
+            dev, n = self.inputs.device, len(batch)
+            dev["input_ids"][:n] = feed[0][:, 0].index_select(0, dev["feed"][:n])
         return self._replay(len(batch))
 
 
@@ -456,21 +466,22 @@ class StepGraphs:
         self.prefill: dict[int, PrefillGraph] = {}
         self.pieces: dict[int, PieceGraphs] = {}
 
-    def step_logits(self, batch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def step_logits(self, batch, feed: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Logits float32 [samples, vocab_size] of the rows of `batch` that sample
         (`ScheduledSeq.samples`), in order, and their `greedy_pairs`, when a whole-step graph takes the
-        step (every row one query token, or every row at least two), else None."""
+        step (every row one query token, or every row at least two), else None. feed: a decode step's
+        tokens on the device (`DecodeGraph.run`)."""
         decode = [item.num_tokens == 1 for item in batch]
         if all(decode):
-            replayed = self._decode(batch)
+            replayed = self._decode(batch, feed)
             if replayed is None:
                 return None
             sampling = [j for j, item in enumerate(batch) if item.samples]
             logits, pairs = replayed
             return (logits, pairs) if len(sampling) == len(batch) else (logits[sampling], pairs[sampling])
-        return None if any(decode) else self._prefill(batch)
+        return None if any(decode) or feed is not None else self._prefill(batch)
 
-    def _decode(self, batch):
+    def _decode(self, batch, feed):
         if not self.whole_decode or len(batch) > self.batch_buckets[-1]:
             return None
         longest = max(item.seq.num_computed_tokens for item in batch) + 1
@@ -481,7 +492,7 @@ class StepGraphs:
             graph = self.decode[rows, context] = DecodeGraph(
                 self.runner, rows, context, self.capture, self.pool
             )
-        return graph.run(batch)
+        return graph.run(batch, feed)
 
     def _prefill(self, batch):
         tokens = self._bucket(sum(item.num_tokens for item in batch))

@@ -9,7 +9,7 @@ from engine.config import EngineConfig
 from engine.model import ModelArgs
 from engine.model_runner import ModelRunner
 from engine.scheduler import Scheduler
-from engine.sequence import RequestOutput, SamplingParams, Sequence
+from engine.sequence import RequestOutput, SamplingParams, Sequence, SequenceStatus
 
 
 def _extremes(token_ids: list[int]) -> tuple[int, int]:
@@ -46,6 +46,7 @@ class LLM:
         self.runner = ModelRunner(cfg, self.args)
         self._next_id = 0
         self._done: dict[int, Sequence] = {}
+        self._ahead = None  # (batch, LaunchedStep) of a step launched by the last `step`, unread
 
     def _check_prompt(self, prompt, params: SamplingParams, cache_salt) -> list[int]:
         if not isinstance(prompt, (list, tuple)):
@@ -88,17 +89,52 @@ class LLM:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """One scheduling step and forward pass. Returns the requests that finished in it."""
-        batch = self.scheduler.schedule()
-        if not batch:
-            if self.has_unfinished():
-                raise RuntimeError("the scheduler made no progress with requests pending")
-            return []
-        samples = self.runner.run(batch)
-        finished = self.scheduler.postprocess(batch, samples)
+        """One scheduling step and forward pass. Returns the requests that finished in it.
+
+        With `async_decode`, a decode step replayed from a CUDA graph whose every running sequence goes on
+        decoding greedily launches the next decode step before it reads its own tokens, which the next
+        step then takes on the device: the GPU runs while the host reads, schedules and packs. The
+        step so launched is the next call's (nothing else is scheduled before it)."""
+        if self._ahead is not None:
+            batch, launched = self._ahead
+            self._ahead = None
+            alive = [item.seq.status is SequenceStatus.RUNNING for item in batch]  # abort() may drop some
+        else:
+            batch = self.scheduler.schedule()
+            if not batch:
+                if self.has_unfinished():
+                    raise RuntimeError("the scheduler made no progress with requests pending")
+                return []
+            launched, alive = self.runner.launch(batch), [True] * len(batch)
+        live = [item for item, a in zip(batch, alive, strict=True) if a]
+        finished = self.scheduler.advance(live)
+        if self.config.async_decode and launched.pairs is not None:
+            self._ahead = self._launch_next(batch, launched)
+        samples = [s for s, a in zip(launched.samples(), alive, strict=True) if a]
+        self.scheduler.fill(live, samples)
         for seq in finished:
             self._done[seq.seq_id] = seq
         return [self._output(seq) for seq in finished]
+
+    def _launch_next(self, batch, launched):
+        """The next step launched now, fed with `launched`'s tokens (`step`), as (batch, LaunchedStep); None
+        unless every running sequence sampled a token in `batch` (its placeholder is last; `launched.pairs`
+        holds them: a decode graph's step, every row greedy) and the next step takes them all, a token
+        each, without admitting or preempting."""
+        sched, page = self.scheduler, self.config.page_size
+        running = sched.running
+        if sched.waiting or not running or len(running) > self.config.max_num_batched_tokens:
+            return None
+        rows = {id(item.seq): j for j, item in enumerate(batch)}
+        need = 0
+        for seq in running:
+            if seq.token_ids[-1] is not None or id(seq) not in rows:
+                return None
+            need += pages_for(seq.num_computed_tokens + 1, page) - len(seq.block_table)
+        if not self.pool.can_allocate([], need):
+            return None
+        nxt = sched.schedule()  # every running sequence, a token each
+        return nxt, self.runner.launch(nxt, feed=(launched.pairs, [rows[id(item.seq)] for item in nxt]))
 
     def abort(self, request_ids) -> None:
         """Drops unfinished requests and frees their pages."""

@@ -163,6 +163,47 @@ class _Staging:
         return torch.frombuffer(bytearray(b"".join(self.chunks)), dtype=torch.int64)
 
 
+@dataclass(slots=True)
+class LaunchedStep:
+    """A forward pass enqueued by `ModelRunner.launch`. `pairs`: for a decode step whose every row
+    samples greedily, the rows' `greedy_pairs` [rows, 2] on the device, to feed the next decode step."""
+
+    runner: "ModelRunner"
+    logits: torch.Tensor | None  # None: not needed (greedy rows, no logits recorded)
+    greedy: torch.Tensor | None  # greedy_pairs of the sampling rows, made by a graph
+    pairs: torch.Tensor | None
+    ready: torch.cuda.Event | None  # `greedy` and `logits` copied to the host after it
+    temperatures: list[float]
+    rows: list[int]  # the batch row of each sampling row
+    num_rows: int
+
+    def samples(self) -> list[Sample | None]:
+        """A Sample for every row whose chunk reaches its last token (reads the device)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        out: list[Sample | None] = [None] * self.num_rows
+        drawn = self.runner._sample(self.logits, self.temperatures, self.greedy)
+        for row, sample in zip(self.rows, drawn, strict=True):
+            out[row] = sample
+        return out
+
+
+def _to_host(*tensors: torch.Tensor | None) -> tuple:
+    """Copies of `tensors` (None stays None) in host memory, enqueued, and then the event after which
+    they hold the values (None off the GPU, where they are copied now)."""
+    copies = [
+        None
+        if t is None
+        else torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda).copy_(t, non_blocking=True)
+        for t in tensors
+    ]
+    ready = None
+    if any(t is not None and t.is_cuda for t in tensors):
+        ready = torch.cuda.Event()
+        ready.record()
+    return (*copies, ready)
+
+
 class ModelRunner:
     """Owns the weights, the per-layer KV caches and the sampler's generator."""
 
@@ -256,7 +297,17 @@ class ModelRunner:
 
     def run(self, batch: list[ScheduledSeq]) -> list[Sample | None]:
         """One forward pass over `batch`; a Sample for every row whose chunk reaches its last token."""
-        replayed = None if self.graphs is None else self.graphs.step_logits(batch)
+        return self.launch(batch).samples()
+
+    def launch(self, batch: list[ScheduledSeq], feed: tuple | None = None) -> "LaunchedStep":
+        """Enqueues a forward pass over `batch`; its samples are read by the result's `samples()`.
+
+        feed: (pairs, rows) for a decode step launched before the step whose tokens it takes was read
+        (`LLM.step`): every row's input token is column 0 of `pairs` (`LaunchedStep.pairs` of that
+        step, on the device) at row rows[i]. Such a step must replay a decode graph."""
+        replayed = None if self.graphs is None else self.graphs.step_logits(batch, feed)
+        if feed is not None and replayed is None:
+            raise RuntimeError("a step fed from the device must replay a decode graph")
         pairs = None
         if replayed is not None:  # the whole step replayed as graphs
             logits, pairs = replayed
@@ -275,17 +326,25 @@ class ModelRunner:
             else:  # the layers replayed as graphs between eager attention calls
                 h = pieces.run(input_ids, positions, meta.slot_mapping, attend)
                 logits = self.model.logits(h[sample_rows])
-        samples: list[Sample | None] = [None] * len(batch)
         temperatures = [ordered[j].seq.params.temperature for j in sampling]
-        for j, sample in zip(sampling, self._sample(logits, temperatures, pairs), strict=True):
-            samples[order[j]] = sample
-        return samples
+        feed, ready = None, None
+        decode = len(sampling) == len(batch) and all(item.num_tokens == 1 for item in batch)
+        if replayed is not None and decode and not any(temperatures):
+            # A decode graph's outputs are static, rewritten by the next replay, which may be enqueued
+            # before this step is read: what the read takes is copied out now (a read of the device
+            # itself would wait for that replay too). The next step's tokens are taken from `pairs` on
+            # the device, before its replay.
+            feed = pairs
+            pairs, logits, ready = _to_host(pairs, logits if self.config.record_logits else None)
+        rows = [order[j] for j in sampling]
+        return LaunchedStep(self, logits, pairs, feed, ready, temperatures, rows, len(batch))
 
-    def _sample(self, logits: torch.Tensor, temperatures: list[float], pairs=None) -> list[Sample]:
+    def _sample(self, logits: torch.Tensor | None, temperatures: list[float], pairs=None) -> list[Sample]:
         """One Sample per row of logits [num_samples, vocab_size]. Greedy rows are taken together
         with one device-to-host copy for the step (a read per row was two syncs per sequence), from
         `pairs` (`greedy_pairs` of these logits, made by a graph) when given; the others draw from the
-        runner's generator row by row, in order."""
+        runner's generator row by row, in order. logits may be None when every row is greedy, `pairs`
+        given and no logits recorded."""
         # A copy even on the CPU: a graph step's logits are its static output, rewritten next step.
         kept = logits.to("cpu", copy=True) if self.config.record_logits else None
         out: list[Sample | None] = [None] * len(temperatures)

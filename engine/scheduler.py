@@ -96,22 +96,41 @@ class Scheduler:
 
     def postprocess(self, batch: list[ScheduledSeq], samples: list[Sample | None]) -> list[Sequence]:
         """Advances computed tokens, caches newly full pages, appends samples. Returns finished ones."""
+        finished = self.advance(batch)
+        self.fill(batch, samples)
+        return finished
+
+    def advance(self, batch: list[ScheduledSeq]) -> list[Sequence]:
+        """What a step does to its sequences whatever tokens it samples: computed tokens advanced, newly
+        full pages offered to the cache, a placeholder (None) for each sampled token until `fill`, and
+        the sequences that reach max_tokens finished. Returns those, finished."""
         finished, page = [], self.pool.page_size
-        for item, sample in zip(batch, samples, strict=True):
+        for item in batch:
             seq = item.seq
+            samples = item.samples
             seq.num_computed_tokens += item.num_tokens
             if seq.num_computed_tokens // page > seq.num_offered_pages:  # a page filled up
-                self.pool.cache_full_pages(seq)
-            if sample is None:
+                self.pool.cache_full_pages(seq)  # before the placeholder: it hashes full pages only
+            if not samples:
                 continue
-            seq.token_ids.append(sample.token_id)
-            seq.logprobs.append(sample.logprob)
-            if sample.logits is not None:
-                seq.logits.append(sample.logits)
+            seq.token_ids.append(None)
             if len(seq.token_ids) - seq.num_prompt_tokens >= seq.params.max_tokens:
                 self.finish(seq)
                 finished.append(seq)
         return finished
+
+    def fill(self, batch: list[ScheduledSeq], samples: list[Sample | None]) -> None:
+        """Puts an `advance`d step's samples in place of their placeholders."""
+        for item, sample in zip(batch, samples, strict=True):
+            if sample is None:
+                continue
+            seq = item.seq
+            if seq.token_ids[-1] is not None:
+                raise RuntimeError(f"fill: sequence {seq.seq_id} has no sampled token to fill")
+            seq.token_ids[-1] = sample.token_id
+            seq.logprobs.append(sample.logprob)
+            if sample.logits is not None:
+                seq.logits.append(sample.logits)
 
     def finish(self, seq: Sequence) -> None:
         """Removes a sequence from its queue and frees its pages in reverse order."""

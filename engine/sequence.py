@@ -40,7 +40,8 @@ class SamplingParams:
 class Sequence:
     """One request. All state is per instance (no class attributes).
 
-    `token_ids` is the prompt followed by the generated tokens. The KV of the first
+    `token_ids` is the prompt followed by the generated tokens (the last one None inside `LLM.step`, between
+    the scheduler's `advance` and `fill`). The KV of the first
     `num_computed_tokens` tokens sits in the pages of `block_table` (in order). `page_keys` holds the
     prefix-cache keys of the full pages of `token_ids` computed so far and `encoded_pages` the canonical
     encoding of each of those pages (both filled by the block pool); the first `num_offered_pages`

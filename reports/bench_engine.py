@@ -9,7 +9,8 @@ reported (`num_cached_tokens / L`, whole pages only).
 Beside each measured TTFT(h) / TTFT(0) stands the ideal ratio: the model's prefill work for the
 uncached tokens over its work for all of them, counted from the config (`prefill_flops`): the linear
 layers (2 FLOPs per weight per token) plus attention (4 * head_dim FLOPs per attended query-key
-pair under each layer's layout). Target: measured <= ideal + 0.05.
+pair under each layer's layout). Target (issue 17): measured <= ideal + 0.05, + 0.10 for the 32-layer
+model's 2k prompts; and the 4-layer model's 2k prompt at least 2x faster with 90% cached than with none.
 
 `python3 -m reports.bench --only engine` runs the GPU settings (phi3-small-attn, 4 layers, at 2k, 8k
 and 32k; phi3-small, Phi-3-small's 32 layers, at 2k, 8k and 32k; triton backend) and writes
@@ -34,7 +35,9 @@ from engine import LLM, SamplingParams
 from engine.model import ModelArgs
 
 HIT_SHARES = (0.0, 0.25, 0.5, 0.75, 0.9)
-TARGET_SLACK = 0.05  # TTFT(h) / TTFT(0) <= ideal(h) + TARGET_SLACK
+TARGET_SLACK = 0.05  # TTFT(h) / TTFT(0) <= ideal(h) + TARGET_SLACK, except where SLACK_OF says otherwise
+SLACK_OF = {("phi3-small", 2048): 0.10}  # (model, prompt tokens) -> its slack
+SPEEDUP_TARGET = ("phi3-small-attn", 2048, 0.9, 2.0)  # model, prompt tokens, hit share, TTFT(0) / TTFT(h)
 TIME_CAP_S = 420.0  # rows not started by then are reported as skipped
 FLOPS_PER_WEIGHT = 2  # a multiply-add per weight per token
 FLOPS_PER_PAIR_PER_DIM = 4  # q.k and p.v
@@ -161,7 +164,7 @@ def run_setting(setting: Setting, deadline: float) -> list[dict]:
             work = prefill_flops(llm.args, row["cached_tokens"], prompt_len)
             row["ideal"] = work / prefill_flops(llm.args, 0, prompt_len)
             row["gap"] = row["ratio"] - row["ideal"]
-            row["meets_target"] = bool(row["gap"] <= TARGET_SLACK)
+            row["meets_target"] = bool(row["gap"] <= SLACK_OF.get((setting.model, prompt_len), TARGET_SLACK))
             rows.append(row)
             print(
                 f"engine-ttft {setting.model} L={prompt_len} h={share:.2f} cached={row['cached_tokens']} "
@@ -196,7 +199,8 @@ def write_markdown(path: pathlib.Path, rows: list[dict], env: dict) -> None:
         "of the runs after warm-up. The ideal ratio is the model's prefill work for the uncached tokens "
         "over its work for all tokens (linear layers + attended pairs under each layer's layout, from the "
         "config).",
-        f"Target: TTFT(h) / TTFT(0) <= ideal + {TARGET_SLACK}, with h the hit share the engine reported.",
+        f"Target: TTFT(h) / TTFT(0) <= ideal + {TARGET_SLACK} (+ 0.10 for phi3-small at 2048 tokens), with h "
+        "the hit share the engine reported.",
         "",
         "| model | prompt tokens | hit share | cached tokens | TTFT ms | TTFT(h)/TTFT(0) | ideal | gap | ok |"
         "",
@@ -212,6 +216,15 @@ def write_markdown(path: pathlib.Path, rows: list[dict], env: dict) -> None:
             f"{r['ttft_ms']:.2f} | {r['ratio']:.3f} | {r['ideal']:.3f} | {r['gap']:+.3f} | "
             f"{'yes' if r['meets_target'] else 'NO'} |"
         )
+    model, tokens, share, factor = SPEEDUP_TARGET
+    ttft = {r["hit_share"]: r["ttft_ms"] for r in rows if r["model"] == model and r["prompt_len"] == tokens}
+    if 0.0 in ttft and share in ttft:
+        speedup = ttft[0.0] / ttft[share]
+        lines += [
+            "",
+            f"{model}, {tokens} tokens: {share:.0%} cached is {speedup:.1f}x faster than nothing cached "
+            f"(target: at least {factor:.0f}x): {'yes' if speedup >= factor else 'NO'}.",
+        ]
     path.write_text("\n".join(lines) + "\n")
 
 

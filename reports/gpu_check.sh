@@ -144,7 +144,7 @@ BREAKS
       tests/kernels/test_plan.py tests/kernels/test_walk.py tests/kernels/test_specialization.py \
       tests/kernels/test_hopper_prefill.py
     tail -n 3 "$out/engine-tests.log" >> "$out/summary.txt"
-    step 150 engine-steps python3 -m reports.engine_steps --out "$out" --runs "${ENGINE_RUNS:-3}"
+    step 150 engine-steps python3 -m reports.engine_steps --out "$out" --runs "${ENGINE_RUNS:-3}" ${ENGINE_STEPS_ARGS:-}
     step 260 engine-ttft python3 -m reports.bench_engine --out "$out" --time-cap 240
     ;;
   kernels)

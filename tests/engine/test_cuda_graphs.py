@@ -122,3 +122,73 @@ def test_prefill_plans_that_cannot_replan_in_place_go_piece_by_piece():
     assert_equivalent(llm.generate([[1, 2, 3, 4, 5]], params), eager.generate([[1, 2, 3, 4, 5]], params))
     assert graphs.prefill and graphs.pieces
     assert not any(graph.supported or hasattr(graph, "replays") for graph in graphs.prefill.values())
+
+
+def count_launched_ahead(llm: LLM) -> list[int]:
+    """A counter (a one-element list) of the decode steps `llm` launches before reading the step
+    they follow."""
+    count, launch = [0], llm.runner.launch
+
+    def counted(batch, feed=None):
+        count[0] += feed is not None
+        return launch(batch, feed)
+
+    llm.runner.launch = counted
+    return count
+
+
+def run_requests(llm: LLM, requests: list) -> list:
+    """Queues (prompt, SamplingParams) pairs at once and steps until all are answered; outputs in order."""
+    ids = [llm.add_request(prompt, params) for prompt, params in requests]
+    answered = {}
+    while llm.has_unfinished() or llm._ahead is not None:
+        answered.update((out.request_id, out) for out in llm.step())
+    return [answered[i] for i in ids]
+
+
+@pytest.mark.parametrize("num_pages", [40, 10], ids=["roomy", "preempting"])
+def test_decode_steps_launched_ahead_equal_steps_read_first(num_pages):
+    """Decode steps launched before the step they follow was read (`async_decode`, tokens fed on the
+    device) give the same tokens, logprobs and logits, bit for bit, as steps launched after it: the
+    same batches, the same graphs. None is launched ahead while a sampled (temperature > 0) request
+    runs, nor where pages are short (the preempting case's preemptions are the same)."""
+    greedy, sampled = SamplingParams(max_tokens=6), SamplingParams(max_tokens=4, temperature=8.0)
+    requests = [(list(range(1, 12)), greedy), ([2] * 5, sampled), ([5] * 20, greedy)]
+    options = dict(
+        backend="triton", num_pages=num_pages, page_size=4, max_num_seqs=3,
+        max_num_batched_tokens=40, record_logits=True, dtype="float32",
+    )  # fmt: skip
+    outputs, ahead, preempted = {}, {}, {}
+    for async_decode in (False, True):
+        llm = with_graphs(LLM("tiny", async_decode=async_decode, **options))
+        count = count_launched_ahead(llm)
+        outputs[async_decode] = run_requests(llm, requests)
+        ahead[async_decode], preempted[async_decode] = count[0], llm.stats()["preemptions"]
+        assert llm.pool.num_free_pages == num_pages
+    for read_first, launched_ahead in zip(outputs[False], outputs[True], strict=True):
+        assert launched_ahead.token_ids == read_first.token_ids
+        assert launched_ahead.logprobs == read_first.logprobs
+        assert all(torch.equal(a, b) for a, b in zip(launched_ahead.logits, read_first.logits, strict=True))
+    assert ahead[False] == 0 and ahead[True] > 0
+    assert preempted[True] == preempted[False] and (preempted[True] > 0) == (num_pages == 10)
+
+
+def test_abort_while_a_decode_step_is_launched_ahead():
+    """A request aborted while a step launched ahead holds it: the step's other rows go on, the aborted
+    one is never answered, and every page comes back."""
+    options = dict(backend="triton", num_pages=40, page_size=8, max_num_seqs=3, dtype="float32")
+    prompts, params = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]], SamplingParams(max_tokens=5)
+    llm = with_graphs(LLM("tiny", record_logits=True, **options))
+    ids = [llm.add_request(p, params) for p in prompts]
+    answered = {}
+    while llm._ahead is None:
+        answered.update((out.request_id, out) for out in llm.step())
+    llm.abort([ids[1]])
+    while llm.has_unfinished() or llm._ahead is not None:
+        answered.update((out.request_id, out) for out in llm.step())
+        llm.pool.check_invariants()
+    assert sorted(answered) == [ids[0], ids[2]]
+    assert llm.pool.num_free_pages == options["num_pages"]
+    eager = LLM("tiny", enforce_eager=True, enable_prefix_caching=False, record_logits=True, **options)
+    cold = eager.generate([prompts[0], prompts[2]], params)
+    assert_equivalent([answered[ids[0]], answered[ids[2]]], cold)
