@@ -327,17 +327,17 @@ class ModelRunner:
                 h = pieces.run(input_ids, positions, meta.slot_mapping, attend)
                 logits = self.model.logits(h[sample_rows])
         temperatures = [ordered[j].seq.params.temperature for j in sampling]
-        feed, ready = None, None
+        device_pairs, ready = None, None
         decode = len(sampling) == len(batch) and all(item.num_tokens == 1 for item in batch)
         if replayed is not None and decode and not any(temperatures):
             # A decode graph's outputs are static, rewritten by the next replay, which may be enqueued
             # before this step is read: what the read takes is copied out now (a read of the device
             # itself would wait for that replay too). The next step's tokens are taken from `pairs` on
             # the device, before its replay.
-            feed = pairs
+            device_pairs = pairs
             pairs, logits, ready = _to_host(pairs, logits if self.config.record_logits else None)
         rows = [order[j] for j in sampling]
-        return LaunchedStep(self, logits, pairs, feed, ready, temperatures, rows, len(batch))
+        return LaunchedStep(self, logits, pairs, device_pairs, ready, temperatures, rows, len(batch))
 
     def _sample(self, logits: torch.Tensor | None, temperatures: list[float], pairs=None) -> list[Sample]:
         """One Sample per row of logits [num_samples, vocab_size]. Greedy rows are taken together

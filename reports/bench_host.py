@@ -83,7 +83,8 @@ class Admission:
         seq = self.fresh(num_prefix_pages * PAGE_SIZE)
         self.scheduler.add(seq)
         batch = self.scheduler.schedule()
-        self.scheduler.advance(batch)  # no tokens sampled: the request finishes there (max_tokens=1)
+        self.scheduler.advance(batch)  # no tokens sampled
+        self.scheduler.finish(seq)
 
     def fresh(self, num_tokens: int | None = None) -> Sequence:
         """A new request of the prompt (or its first `num_tokens` tokens), not yet hashed."""
