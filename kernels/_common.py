@@ -10,6 +10,7 @@ No layout family reaches a kernel: a layout arrives as tile lists and, for the p
 block mask. Related values travel as tuples (`rows`, `kv`, `state`).
 """
 
+import functools
 import os
 
 import torch
@@ -222,6 +223,22 @@ class BoundLaunch:
             compiled[self.grid3](*tensors, *self.tail)
             return
         stream = triton.runtime.driver.active.get_current_stream(device)
+        encoded = _encoding_launcher(compiled) if any(hasattr(t, "launcher_args") for t in tensors) else None
+        if encoded is not None:
+            launch, metas = encoded
+            args, d = [], 0
+            for t in tensors:
+                if hasattr(t, "launcher_args"):
+                    args += t.launcher_args(metas[d])
+                    d += 1
+                else:
+                    args.append(t)
+            run = compiled.run
+            launch(
+                *self.grid3, stream, compiled.function, run.launch_cooperative_grid, run.launch_pdl,
+                None, None, compiled.packed_metadata, None, None, None, *args, *self.tail,
+            )  # fmt: skip
+            return
         compiled.run(
             *self.grid3,
             stream,
@@ -233,6 +250,22 @@ class BoundLaunch:
             *tensors,
             *self.tail,
         )
+
+
+@functools.cache
+def _encoding_launcher(compiled):
+    """For a compiled kernel with TMA descriptor parameters: Triton's C launcher beneath the wrapper
+    that encodes each descriptor on every run (`wrap_handle_tensordesc`), and the descriptors'
+    metadata, so that a run passes descriptors it encoded once (`launcher_args`, kernels/
+    hopper_prefill.py's HostDescriptor). None where that does not hold as in triton 3.6 (scratch to
+    allocate, no metadata, another wrapper): the run then goes through `compiled.run`."""
+    run = compiled.run
+    metas = getattr(compiled.metadata, "tensordesc_meta", None)
+    closure = getattr(run.launch, "__closure__", None)
+    if run.global_scratch_size or run.profile_scratch_size or not metas or None in metas or not closure:
+        return None
+    cells = dict(zip(run.launch.__code__.co_freevars, closure, strict=True))
+    return (cells["launcher"].cell_contents, metas) if "launcher" in cells else None
 
 
 INT32_MAX = 2**31 - 1

@@ -4,8 +4,9 @@
 spec: `reference.paged_prefill.paged_prefill`, through `kernels.paged_prefill.PrefillPlan`, which
 takes this path when `ENABLED` is set and `supports(...)` holds, and falls back to the Triton kernel
 otherwise (and for a run whose caches are not 16-byte aligned, which the tensor-memory copies need).
-A launch allocates 256 bytes a program for the K and V caches' TMA descriptors through Triton's
-allocator (`triton.set_allocator`); where the calling thread has none, a run sets torch's.
+The K and V caches' TMA descriptors are made on the host and encoded once per cache (`HostDescriptor`).
+With DEVICE_DESCRIPTORS each program makes them, and a launch allocates 256 bytes a program for them
+through Triton's allocator (`triton.set_allocator`); where the calling thread has none, a run sets one.
 The grid is persistent (a program an SM, each taking the units `plan_walk` gives it: (query tile,
 head) items, or parts of an item's key tiles whose softmax states the last part to end merges), and
 a program runs three warp-specialized parts on 128-row query tiles:
@@ -53,10 +54,11 @@ ENABLED = True
 # A consumer takes its full tiles two at a time and so holds two slots of the ring: 4 slots keep the
 # producer a pair ahead (3 were up to 6% slower with pairs, reports/gpu/kernel-ab.md §13).
 BLOCK_M, BLOCK_N, STAGES = 128, 64, 4
-# Each program makes its caches' TMA descriptors from their pointers (256 bytes of scratch a program),
-# instead of the launcher encoding two host-made ones on every run: 27 µs of host time a launch
-# instead of 57 (reports/gpu/kernel-ab.md §11).
-DEVICE_DESCRIPTORS = True
+# The caches' TMA descriptors are made on the host and encoded once per cache (`HostDescriptor`): the
+# programs' first copies then come 1.7-2 µs sooner than with the descriptors each program makes from
+# the caches' pointers (DEVICE_DESCRIPTORS, the default before): 0.7-3.7% less time at 8k with 832 and
+# 2048 queries in every round, the other rows within the A/B's spread (reports/gpu/kernel-ab.md §25).
+DEVICE_DESCRIPTORS = False
 # Registers are set per warp group (setmaxnreg): the two consumers' and the producer's (one warp of a
 # group of 4) fill the register file at 168 a thread on average, one program an SM.
 MAX_REGISTERS, CONSUMER_REGISTERS, PRODUCER_REGISTERS = 168, 240, 24
@@ -443,7 +445,7 @@ _UNREAD: dict = {}
 def _unread_split_buffers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """split_state and split_done of a walk without split items, which the kernel never reads: one
     pair a device (in a CUDA graph's capture, the graph's own, as `_scratch` does)."""
-    capturing = torch.cuda.is_current_stream_capturing()
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     pair = None if capturing else _UNREAD.get(device)
     if pair is None:
         pair = (
@@ -457,8 +459,8 @@ def _unread_split_buffers(device: torch.device) -> tuple[torch.Tensor, torch.Ten
 
 class CacheDescriptors:
     """What the kernel takes for the K and V caches of a run (their base pointers change per layer):
-    the caches themselves, whose TMA descriptors each program makes (`DEVICE_DESCRIPTORS`, fixed at
-    planning), or host-made descriptors, which the launcher encodes on every run."""
+    host-made TMA descriptors (`HostDescriptor`), or with DEVICE_DESCRIPTORS the caches themselves,
+    whose descriptors each program makes. Fixed at planning."""
 
     def __init__(self, k_cache: torch.Tensor):
         num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
@@ -467,15 +469,47 @@ class CacheDescriptors:
         self.block = [min(page_size, BLOCK_N), head_dim]
         self.layout = _shared_layout(tuple(self.block), k_cache.dtype)
         self.on_device = DEVICE_DESCRIPTORS
+        if not self.on_device:  # Triton's checks of a descriptor, once a plan (a run's caches match k's)
+            TensorDescriptor(k_cache, self.shape, self.strides, self.block, self.layout)
 
-    def __call__(self, cache: torch.Tensor) -> "TensorDescriptor | torch.Tensor":
+    def __call__(self, cache: torch.Tensor) -> "HostDescriptor | torch.Tensor":
         if self.on_device:
             # The launch takes the programs' descriptor scratch from Triton's allocator, a context
             # variable: set in each thread on its first run, unless the caller has set one.
             if triton.runtime._allocation._allocator.get() is triton.runtime._allocation._NULL_ALLOCATOR:
                 triton.set_allocator(_scratch)
             return cache
-        return TensorDescriptor(cache, self.shape, self.strides, self.block, self.layout)
+        # Built without the dataclass's checks (made once above): µs of every run otherwise.
+        desc = object.__new__(HostDescriptor)
+        desc.base, desc.shape, desc.strides = cache, self.shape, self.strides
+        desc.block_shape, desc.layout, desc.padding = self.block, self.layout, "zero"
+        return desc
+
+
+class HostDescriptor(TensorDescriptor):
+    """A cache's host-made TMA descriptor. Triton's launcher would encode it on every run
+    (`make_tensordesc_arg`); `launcher_args` encodes it once per cache, and `BoundLaunch` passes those
+    arguments as they are."""
+
+    def launcher_args(self, meta: dict) -> list:
+        """Triton's launcher arguments for this descriptor under a compiled kernel's `meta` (an entry of
+        its `tensordesc_meta`): the encoded map, then the shape and strides."""
+        key = (self.base.data_ptr(), self.base.dtype, *self.shape, *self.block_shape)
+        args = _ENCODED.get(key)
+        if args is None:
+            if len(_ENCODED) >= MAX_ENCODED:  # caches come and go (tests, engines): keep the newest
+                _ENCODED.clear()
+            from triton.backends.nvidia.driver import make_tensordesc_arg
+
+            args = _ENCODED[key] = make_tensordesc_arg(self, meta)
+        return args
+
+
+# (cache address, dtype, shape, block) -> launcher arguments (the kernel's descriptor metadata follows
+# from the dtype and block). A map holds an address, no tensor: a cache freed and another made at its
+# address with its shape and dtype has the same map.
+_ENCODED: dict = {}
+MAX_ENCODED = 4096
 
 
 _SCRATCH: dict = {}

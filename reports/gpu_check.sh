@@ -21,8 +21,8 @@
 #                                             deliberately broken (keyed without pointer alignment):
 #                                             its test must fail
 #   bash reports/gpu_check.sh OUT_DIR hopper   the Hopper path's tests (tests/kernels/test_hopper_prefill.py),
-#                                             once more with each of eleven parts broken (each must
-#                                             fail; HOPPER_BREAKS="NAME ...": those only, as 11 at
+#                                             once more with each of thirteen parts broken (each must
+#                                             fail; HOPPER_BREAKS="NAME ...": those only, as 13 at
 #                                             once outrun the tests' cap), its same-process A/B against the Triton kernel
 #                                             (reports/hopper_ab.py; HOPPER_AB_ARGS="--variants
 #                                             --previous .ab" adds its variants and the previous
@@ -99,8 +99,10 @@ case $part in
     # - mode: each group takes its partial tiles as the other group's modes say (the layout cases);
     # - causal: the partial tiles a group sees part of are taken unmasked (the Phi-3 and dense cases);
     # - layout: the tiles the layout masks are masked by causality alone (the per-element case);
-    # - descriptor: the programs' TMA descriptors end a page short of the caches (every case whose
-    #   block table reaches the caches' last page);
+    # - descriptor: the programs' TMA descriptors (DEVICE_DESCRIPTORS) end a page short of the caches
+    #   (every case whose block table reaches the caches' last page);
+    # - host-descriptor: the host-made descriptors do (the same cases, by default);
+    # - encoded-key: a cache's encoded map is found by its shape alone (a second cache reuses the first's);
     # - pairs: a pair of full tiles takes its first slot's V for both halves (the cases with pairs);
     # - epilogue: the finalize step no longer finds NaN or Inf in a row's accumulator (the non-finite
     #   V cases whose row sees the key in a full tile);
@@ -122,7 +124,9 @@ v-copy|s/v_own.store(gl.where(m_v_bad\[:, None\], gl.zeros_like(b_v), b_v))/v_ow
 mode|s/(TILE_BITS + 2 \* CONSUMER)/(TILE_BITS + 2 * (1 - CONSUMER))/|(TILE_BITS + 2 * (1 - CONSUMER))|phi3 or rows or none
 causal|s/elif mode == WHOLE:/elif mode != SKIP:/|elif mode != SKIP:|phi3 or dense
 layout|s/mode != CAUSAL, seq_len/mode == CAUSAL, seq_len/|mode == CAUSAL, seq_len|elements
-descriptor|s/shape = \[cache_rows, width\]/shape = [cache_rows - page_size, width]/|shape = [cache_rows - page_size, width]|not v_cache and not k_cache
+descriptor|s/shape = \[cache_rows, width\]/shape = [cache_rows - page_size, width]/|shape = [cache_rows - page_size, width]|device_descriptors
+host-descriptor|s/self.shape = \[num_pages \* page_size, /self.shape = [num_pages * page_size - page_size, /|self.shape = [num_pages * page_size - page_size, |not v_cache and not k_cache and not device_descriptors
+encoded-key|s/key = (self.base.data_ptr(), /key = (/|key = (self.base.dtype|encoded_once
 pairs|s/warpgroup_mma(b_x1, v_smem.index(slot1)/warpgroup_mma(b_x1, v_smem.index(slot0)/|warpgroup_mma(b_x1, v_smem.index(slot0)|phi3-ctx0 or dense-P256 or rows
 epilogue|s/gl.sum(b_acc \* 0.0, 1) != 0.0/gl.sum(b_acc * 0.0, 1) > 0.0/|gl.sum(b_acc * 0.0, 1) > 0.0|v_cache
 walk|s/taken\[r, takers\] = items/taken[r, takers] = items[0]/|taken[r, takers] = items[0]|walks

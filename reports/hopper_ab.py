@@ -2,8 +2,8 @@
 kernel it replaces on sm_90 (GPU only).
 
 `python3 -m reports.hopper_ab --out DIR [--only times,host,profile,timeline,durations] [--variants [NAME,...]]
-[--previous DIR] [--vllm DIR] [--rounds N] [--max-tokens N]`: the planned times of both paths (and of the
-variants, of the previous commit's Hopper path, and of vLLM's kernel on the Phi-3 rows,
+[--previous DIR] [--vllm DIR] [--rounds N] [--max-tokens N] [--min-tokens N]`: the planned times of both
+paths (and of the variants, of the previous commit's Hopper path, and of vLLM's kernel on the Phi-3 rows,
 reports/vllm_baseline.py) on rows of the kernel benchmark (reports/bench_kernels.py), in one process, each
 timed once a round in turn, each round starting one path later (`--rounds`: the same-process spread); with
 `--vllm` the ratios to vLLM are to its time in this process, otherwise to issue 16's (bench_kernels.VLLM_MS);
@@ -55,15 +55,14 @@ PATHS = [
 ]
 # --variants: the kernel walking head-major in every round, with its last round split where the cost
 # model says it pays, with every round dealt by cost, checking V before a masked tile's product, and
-# with host-made TMA descriptors (the previous launch)
+# with the descriptors each program makes (the default before the nineteenth session)
 VARIANTS = [
     ("head_major", "kernels", True, {"BALANCED_WALK": False}),
     ("split", "kernels", True, {"SPLIT_LAST": True}),
     ("balanced_all", "kernels", True, {"BALANCED_ROUNDS": 10**6}),
     ("v_checked_first", "kernels", True, {"V_CHECK_AFTER": False}),
-    ("host_descriptors", "kernels", True, {"DEVICE_DESCRIPTORS": False}),
+    ("device_descriptors", "kernels", True, {"DEVICE_DESCRIPTORS": True}),
 ]
-HOST_DESCRIPTORS = VARIANTS[-1]
 # --previous DIR: the Hopper path of the commit in DIR/kernels_prev (reports/previous_kernels.sh)
 PREVIOUS = ("previous", "kernels_prev", True, {})
 # (tokens, queries, layout, page size): the issue's table (reports/bench_kernels.py's ISSUE_TABLE), with
@@ -96,14 +95,14 @@ def path_runs(p, n: int, layout, paths, vllm=None, csr=VLLM_CSR) -> tuple[dict, 
     return plans, runs
 
 
-def times(save, paths, rounds: int = 1, max_tokens: int | None = None, vllm=None) -> list[dict]:
-    """The rows' times (up to max_tokens), each path timed once a round, in turn from a path one later
-    each round (`{path}_ms`: the median of its rounds), with vLLM's kernel on the Phi-3 rows when `vllm`
-    names its directory; `save(rows)` after each row (a run cut short keeps what it measured)."""
+def times(save, paths, rounds: int = 1, max_tokens=None, min_tokens=None, vllm=None) -> list[dict]:
+    """The rows' times (from min_tokens up to max_tokens), each path timed once a round, in turn from a path
+    one later each round (`{path}_ms`: the median of its rounds), with vLLM's kernel on the Phi-3 rows when
+    `vllm` names its directory; `save(rows)` after each row (a run cut short keeps what it measured)."""
     gen = torch.Generator().manual_seed(0)
     rows = []
     for n, queries, layout_name, page in TIME_ROWS:
-        if max_tokens is not None and n > max_tokens:
+        if (max_tokens is not None and n > max_tokens) or (min_tokens is not None and n < min_tokens):
             continue
         layout = bk.phi3_layout() if layout_name == "phi3" else None
         bk.PAGE_SIZE = page
@@ -181,22 +180,27 @@ def durations(save, paths, vllm=None) -> list[dict]:
 
 
 def host_parts(save, paths) -> list[dict]:
-    """Host µs per call (medians) at 8k tokens: each path's whole run, and for host-made TMA descriptors
-    (DEVICE_DESCRIPTORS off) the two a run builds and Triton's encoding of each (`make_tensordesc_arg`)."""
+    """Host µs per call (medians) at 8k tokens: each path's whole run, and of the Hopper path's the
+    host-made descriptors a run builds (two) and its lookup of their encoded maps (`launcher_args`,
+    two; Triton's launcher would encode each, `make_tensordesc_arg`)."""
     from triton.backends.nvidia.driver import make_tensordesc_arg
 
     p = bk.Prefill(8192, 8192, bk.phi3_layout(), torch.Generator().manual_seed(0))
     row = {}
-    measured = [entry for entry in paths if entry is not HOST_DESCRIPTORS] + [HOST_DESCRIPTORS]
-    for path, package, on, settings in measured:
+    for path, package, on, settings in paths:
         with hopper_path(on, package, **settings) as prefill:
             plan = prefill.plan_prefill(*p.args(), scale=bk.SCALE, layout=p.layout)
-        row[f"{path}_run_us"] = bk.enqueue_us(functools.partial(plan.run, p.q, p.k, p.v))
-    (compiled,) = plan.hopper.compiled.values()
-    desc = plan.descriptors(p.k)
+            row[f"{path}_run_us"] = bk.enqueue_us(functools.partial(plan.run, p.q, p.k, p.v))
+        if path == "hopper":
+            hopper = plan
+    (compiled,) = hopper.hopper.compiled.values()
     meta = compiled.metadata.tensordesc_meta[0]
-    row["descriptor_us"] = bk.enqueue_us(lambda: plan.descriptors(p.k))
-    row["encode_us"] = bk.enqueue_us(lambda: make_tensordesc_arg(desc, meta))
+    desc = hopper.descriptors(p.k)
+    row["descriptors_us"] = bk.enqueue_us(lambda: (hopper.descriptors(p.k), hopper.descriptors(p.v)))
+    row["encoded_us"] = bk.enqueue_us(lambda: (desc.launcher_args(meta), desc.launcher_args(meta)))
+    row["triton_encode_us"] = bk.enqueue_us(
+        lambda: (make_tensordesc_arg(desc, meta), make_tensordesc_arg(desc, meta))
+    )
     print(" ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
     save([row])
     return [row]
@@ -225,6 +229,7 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--rounds", type=int, default=1, help="times: each path timed this many times")
     parser.add_argument("--max-tokens", type=int, help="times: only the rows of at most this many tokens")
+    parser.add_argument("--min-tokens", type=int, help="times: only the rows of at least this many tokens")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     wanted = set(args.variants.split(",")) if args.variants not in (None, "all") else None
@@ -238,7 +243,9 @@ def main(argv=None) -> int:
         result[part] = rows
         (args.out / "hopper-ab.json").write_text(json.dumps(result, indent=1))
 
-    timed = functools.partial(times, rounds=args.rounds, max_tokens=args.max_tokens, vllm=args.vllm)
+    timed = functools.partial(
+        times, rounds=args.rounds, max_tokens=args.max_tokens, min_tokens=args.min_tokens, vllm=args.vllm
+    )
     parts = {
         "times": timed,
         "profile": profile,

@@ -150,6 +150,35 @@ def test_hopper_prefill_v_checked_first(hopper_path, monkeypatch, name, poison):
     assert not plan.hopper.planned["V_CHECK_AFTER"], "the plan checked V after the product"
 
 
+@pytest.mark.parametrize("name", list(CASES))
+def test_hopper_prefill_device_descriptors(hopper_path, monkeypatch, name):
+    """DEVICE_DESCRIPTORS on (off by default, where the host makes the caches' TMA descriptors): each
+    program makes its own from the caches' pointers."""
+    monkeypatch.setattr(hopper_prefill, "DEVICE_DESCRIPTORS", True)
+    plan = _judge(name, None)
+    assert plan.descriptors.on_device and plan.hopper.planned["DEVICE_DESCRIPTORS"]
+
+
+def test_host_descriptors_encoded_once_per_cache(hopper_path, monkeypatch):
+    """A run's host-made descriptors are encoded on its caches' first run only (`launcher_args`; a
+    kernel's first launch, which compiles it, goes through Triton's launcher); caches at other addresses
+    get their own maps, and every run gives the same bits."""
+    inputs = build_inputs(CASES["dense-ctx223-q777-P16"], "cuda")
+    q, k_cache, v_cache = (inputs[key] for key in ("q", "k_cache", "v_cache"))
+    plan = paged_prefill.plan_prefill(
+        *attention_args(inputs, decode=False), scale=inputs["scale"], layout=inputs["layout"]
+    )
+    assert not plan.descriptors.on_device
+    first = plan.run(q, k_cache, v_cache)  # the kernel's first launch compiles it: Triton's own launch
+    monkeypatch.setattr(hopper_prefill, "_ENCODED", {})
+    assert torch.equal(plan.run(q, k_cache, v_cache), first)
+    assert len(hopper_prefill._ENCODED) == 2
+    assert torch.equal(plan.run(q, k_cache, v_cache), first)
+    assert len(hopper_prefill._ENCODED) == 2
+    assert torch.equal(plan.run(q, k_cache.clone(), v_cache.clone()), first)
+    assert len(hopper_prefill._ENCODED) == 4
+
+
 @pytest.mark.parametrize(
     "name", ["dense-P64-batch", "dense-P8-D64-fp16-batch", "elements-S16-P32", "phi3-ctx0-q4096"]
 )
