@@ -223,7 +223,7 @@ class BoundLaunch:
             compiled[self.grid3](*tensors, *self.tail)
             return
         stream = triton.runtime.driver.active.get_current_stream(device)
-        encoded = _encoding_launcher(compiled) if any(hasattr(t, "launcher_args") for t in tensors) else None
+        encoded = _encoding_launcher(compiled)  # None for a kernel without descriptor parameters
         if encoded is not None:
             launch, metas = encoded
             args, d = [], 0
@@ -233,12 +233,13 @@ class BoundLaunch:
                     d += 1
                 else:
                     args.append(t)
-            run = compiled.run
-            launch(
-                *self.grid3, stream, compiled.function, run.launch_cooperative_grid, run.launch_pdl,
-                None, None, compiled.packed_metadata, None, None, None, *args, *self.tail,
-            )  # fmt: skip
-            return
+            if d == len(metas):  # every descriptor encoded once; otherwise Triton's launcher encodes them
+                run = compiled.run
+                launch(
+                    *self.grid3, stream, compiled.function, run.launch_cooperative_grid, run.launch_pdl,
+                    None, None, compiled.packed_metadata, None, None, None, *args, *self.tail,
+                )  # fmt: skip
+                return
         compiled.run(
             *self.grid3,
             stream,

@@ -130,9 +130,7 @@ def test_hopper_prefill_split_items(hopper_path, monkeypatch, name, poison):
     assert plan.walk.num_slots > 0, "no item was split"
     inputs = build_inputs(SPLIT_CASES[name], "cuda")
     q, k_cache, v_cache = (inputs[key] for key in ("q", "k_cache", "v_cache"))
-    again = paged_prefill.plan_prefill(
-        *attention_args(inputs, decode=False), scale=inputs["scale"], layout=inputs["layout"]
-    )
+    again = _plan(inputs)
     first = again.run(q, k_cache, v_cache)
     assert torch.equal(again.run(q, k_cache, v_cache), first)
 
@@ -165,9 +163,7 @@ def test_host_descriptors_encoded_once_per_cache(hopper_path, monkeypatch):
     get their own maps, and every run gives the same bits."""
     inputs = build_inputs(CASES["dense-ctx223-q777-P16"], "cuda")
     q, k_cache, v_cache = (inputs[key] for key in ("q", "k_cache", "v_cache"))
-    plan = paged_prefill.plan_prefill(
-        *attention_args(inputs, decode=False), scale=inputs["scale"], layout=inputs["layout"]
-    )
+    plan = _plan(inputs)
     assert not plan.descriptors.on_device
     first = plan.run(q, k_cache, v_cache)  # the kernel's first launch compiles it: Triton's own launch
     monkeypatch.setattr(hopper_prefill, "_ENCODED", {})
@@ -198,6 +194,13 @@ def test_hopper_prefill_replanned_in_a_cuda_graph(hopper_path, name):
         assert any((plan.walk.units[:, 0] < 0).any() for plan in plans), "no stand-in unit"
 
 
+def _plan(inputs):
+    """The op's prefill plan of a case's inputs (`build_inputs`)."""
+    return paged_prefill.plan_prefill(
+        *attention_args(inputs, decode=False), scale=inputs["scale"], layout=inputs["layout"]
+    )
+
+
 def _judge(name, poison, cases=CASES):
     """The case (its cache poisoned at one element) through the op on the Hopper path, against the
     oracle; returns the case's plan."""
@@ -207,9 +210,7 @@ def _judge(name, poison, cases=CASES):
         cache, token, dim, value = poison
         page_size = inputs[cache].shape[1]
         inputs[cache][inputs["block_tables"][0, token // page_size], token % page_size, 0, dim] = value
-    plan = paged_prefill.plan_prefill(
-        *attention_args(inputs, decode=False), scale=inputs["scale"], layout=inputs["layout"]
-    )
+    plan = _plan(inputs)
     assert plan.hopper is not None, "the plan did not take the Hopper path"
     verdict = judge_attention(
         registry.load("triton"), case, decode=False, device="cuda", inputs=inputs, truth=oracle(inputs),
@@ -278,6 +279,4 @@ def test_hopper_timeline_refuses_a_short_buffer(hopper_path, monkeypatch):
     inputs = build_inputs(CASES["dense-ctx223-q777-P16"], "cuda")
     monkeypatch.setattr(hopper_prefill, "TIMELINE", torch.zeros(1, 2, 1, 8, dtype=torch.int64, device="cuda"))
     with pytest.raises(ValueError, match="TIMELINE"):
-        paged_prefill.plan_prefill(
-            *attention_args(inputs, decode=False), scale=inputs["scale"], layout=inputs["layout"]
-        )
+        _plan(inputs)
