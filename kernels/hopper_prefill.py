@@ -28,6 +28,7 @@ contiguous (a TMA descriptor needs `[num_pages * page_size, num_kv_heads * head_
 """
 
 import functools
+import heapq
 import math
 
 import numpy as np
@@ -71,6 +72,19 @@ MAX_REGISTERS, CONSUMER_REGISTERS, PRODUCER_REGISTERS = 168, 240, 24
 BALANCED_WALK = True
 BALANCED_ROUNDS = 1
 PARTIAL_COST, ITEM_COST = 1.7, 2.8
+# With CHEAPEST_LAST, a walk of several rounds may instead keep its cheapest items (a full prefill's
+# first query tiles, a few key tiles each) for its end: the other items in head-major rounds, then
+# each of those, costliest first, to the program least loaded so far. `plan_walk` takes it where the
+# cost model ends the programs sooner. The dealt last round holds items of every cost (at 8k, all of
+# the last head's), so its programs end up to an item apart: by the model the most-loaded program is
+# 3.6% over the mean at 8k and 2.1% at 32k (the timeline's: 3.3-4.9% and 1.9-2.1%), 0.8% and 0.1%
+# with the cheapest last. Measured, 8k ran 1.5-2.3% faster, 32k alike (reports/gpu/kernel-ab.md
+# §26): a unit's own time spreads enough that the programs still end about 15 µs apart at 8k.
+CHEAPEST_LAST = True
+CHEAPEST_LAST_ROUNDS = 8  # and not below: at 2k (the engine's prefill steps) it won 1.4% at 0.2 ms a plan
+# ... and only where the model's busiest program ends at least this much sooner: a walk changed for
+# less (32k with 8192 queries, 0.1%) ran 1% slower in both calls of reports/gpu/kernel-ab.md §26.
+CHEAPEST_LAST_GAIN = 0.005
 # Whole items end up to an item apart (at 8k with 832 queries, 224 items on 132 programs, the mean
 # program idled 17% of the kernel's span, §22). SPLIT_LAST splits the last round's items across
 # programs instead, into parts of at least MIN_SPLIT_TILES key tiles, where the cost model ends the
@@ -232,15 +246,20 @@ def plan_walk(
     dealt_rounds: int,
     split: bool,
     every_program: bool = False,
+    cheapest_last: bool = False,
 ) -> Walk:
     """The programs' work. Program p takes items p, p + programs, ... of the head-major walk, except in
     the last `dealt_rounds` rounds (0: none), where each round's costliest item goes to its
     least-loaded program. With `split`, the last round is dealt (whatever `dealt_rounds`), tile by
-    tile so that the programs end together (`_deal_split`). `counts`: the lists' counts [2, tiles,
-    1 or num_heads] (CPU); `query_tiles`: the (sequence, absolute query tile) of each query tile.
-    With `every_program`, a program left without work gets a stand-in unit (item -1): a launch planned
-    for more items keeps its grid (a program reads its first unit's row before its loop)."""
-    walk = _plan_walk(counts, query_tiles, num_heads, programs, dealt_rounds, split, every_program)
+    tile so that the programs end together (`_deal_split`). Else, with `cheapest_last`, a walk of
+    several rounds keeps its cheapest items for the end where the cost model ends it sooner so
+    (`_cheapest_last`). `counts`: the lists' counts [2, tiles, 1 or num_heads] (CPU); `query_tiles`:
+    the (sequence, absolute query tile) of each query tile. With `every_program`, a program left
+    without work gets a stand-in unit (item -1): a launch planned for more items keeps its grid (a
+    program reads its first unit's row before its loop)."""
+    walk = _plan_walk(
+        counts, query_tiles, num_heads, programs, dealt_rounds, split, every_program, cheapest_last
+    )
     idle = np.nonzero(np.diff(walk.offsets) == 0)[0] if every_program else ()
     if len(idle):  # a split last round (a single round takes the stand-ins in `_plan_walk`)
         units = np.insert(walk.units, walk.offsets[idle], STAND_IN, axis=0)
@@ -249,7 +268,9 @@ def plan_walk(
     return walk
 
 
-def _plan_walk(counts, query_tiles, num_heads, programs, dealt_rounds, split, every_program) -> Walk:
+def _plan_walk(
+    counts, query_tiles, num_heads, programs, dealt_rounds, split, every_program, cheapest_last
+) -> Walk:
     """`plan_walk`'s walk, with its single round's stand-ins (`every_program`)."""
     # [2, tiles, 1 or num_heads], the last query tile first; numpy's indexing, several times cheaper
     # than torch's on these few elements (a plan's host time, every step of an engine).
@@ -294,6 +315,10 @@ def _plan_walk(counts, query_tiles, num_heads, programs, dealt_rounds, split, ev
             split_units, num_slots = [], 0
     # The rounds' units, program by program, then each program's units of a split last round.
     program, w = np.nonzero(taken.T >= 0)[0], taken.T[taken.T >= 0]
+    if cheapest_last and not split_units and rounds >= CHEAPEST_LAST_ROUNDS:
+        cheap = _cheapest_last(cost, programs)
+        if cheap is not None and cheap[2].max() < loads.max() * (1 - CHEAPEST_LAST_GAIN):
+            program, w, _ = cheap
     units = np.stack([w, np.zeros_like(w), full[w] + partial[w], np.full_like(w, -1), 0 * w, 1 + 0 * w], 1)
     if split_units:
         program = np.concatenate([program, [p for p, _ in split_units]])
@@ -301,6 +326,41 @@ def _plan_walk(counts, query_tiles, num_heads, programs, dealt_rounds, split, ev
     order = np.argsort(program, kind="stable")
     offsets = np.concatenate([[0], np.cumsum(np.bincount(program, minlength=programs))])
     return Walk(offsets, units[order], num_slots)
+
+
+def _cheapest_last(cost: np.ndarray, programs: int) -> tuple | None:
+    """`plan_walk`'s walk with the cheapest items last, as (program, item) pairs in each program's
+    order and the programs' loads, by the items' costs (head-major numbering): the other items in
+    head-major rounds (program p takes the p-th of each round), then the cheapest ones, costliest
+    first, each to the program least loaded so far. The cheapest items are the fewest, past whole
+    rounds, that can fill every program up to the most loaded one; None when that takes more than a
+    quarter of the rounds."""
+    num_items = cost.shape[0]
+    order = np.argsort(cost, kind="stable")  # the cheapest first
+    sums = np.concatenate([[0.0], np.cumsum(cost[order])])
+    kept = np.ones(num_items, dtype=bool)
+    # At most a quarter of the rounds (the fill needed 1 of 15 at 8k, 5 of 62 at 32k, 11 of 248 at 128k).
+    rounds = num_items // programs
+    for last in range(num_items % programs, num_items % programs + (rounds // 4 + 1) * programs, programs):
+        kept[order[:last]] = False
+        rest = np.nonzero(kept)[0]
+        loads = cost[rest].reshape(-1, programs).sum(0)
+        if sums[last] >= programs * loads.max() - loads.sum():
+            break
+    else:
+        return None
+    heap = [(load, p) for p, load in enumerate(loads.tolist())]
+    heapq.heapify(heap)
+    tail = order[:last][::-1]
+    takers = []
+    for c in cost[tail].tolist():
+        load, p = heap[0]
+        heapq.heapreplace(heap, (load + c, p))
+        takers.append(p)
+    for load, p in heap:
+        loads[p] = load
+    program = np.concatenate([np.tile(np.arange(programs), rest.shape[0] // programs), takers])
+    return program.astype(np.int64), np.concatenate([rest, tail]), loads
 
 
 def _deal_split(items, cost, full, partial, loads) -> tuple:

@@ -296,6 +296,7 @@ class PrefillPlan:
                 hopper_prefill.BALANCED_ROUNDS if hopper_prefill.BALANCED_WALK else 0,
                 hopper_prefill.SPLIT_LAST and self.walk is None,  # a replanned walk fits the launch's SPLIT
                 every_program=True,
+                cheapest_last=hopper_prefill.BALANCED_WALK and hopper_prefill.CHEAPEST_LAST,
             )
             size = 2 * self.max_tiles + self.walk.size
         out = np.empty(size, dtype=np.int32) if out is None else out[:size]

@@ -108,6 +108,8 @@ case $part in
     #   V cases whose row sees the key in a full tile);
     # - walk: every program of a dealt round takes the round's costliest item, the others none (the
     #   balanced walk's cases);
+    # - cheapest-last: the walk with the cheapest items last takes its first tail item twice and its last
+    #   one never (the cheapest-last walk's case);
     # - check-after: V_CHECK_AFTER never finds its product non-finite (the non-finite V cases).
     names=()
     while IFS='|' read -r name edit left tests; do
@@ -130,6 +132,7 @@ encoded-key|s/key = (self.base.data_ptr(), /key = (/|key = (self.base.dtype|enco
 pairs|s/warpgroup_mma(b_x1, v_smem.index(slot1)/warpgroup_mma(b_x1, v_smem.index(slot0)/|warpgroup_mma(b_x1, v_smem.index(slot0)|phi3-ctx0 or dense-P256 or rows
 epilogue|s/gl.sum(b_acc \* 0.0, 1) != 0.0/gl.sum(b_acc * 0.0, 1) > 0.0/|gl.sum(b_acc * 0.0, 1) > 0.0|v_cache
 walk|s/taken\[r, takers\] = items/taken[r, takers] = items[0]/|taken[r, takers] = items[0]|walks
+cheapest-last|s/np.concatenate(\[rest, tail\])/np.concatenate([rest, tail[:-1], tail[:1]])/|np.concatenate([rest, tail[:-1], tail[:1]])|cheapest
 split-merge|s/gl.load(p_l) \* b_beta/gl.load(p_l) * b_alpha/|gl.load(p_l) * b_alpha|split
 split-reset|s/gl.store(p_done, 0)  # for the next launch/pass  # no reset/|pass  # no reset|split
 check-after|s/gl.sum(b_pv \* 0.0, 1) != 0.0/gl.sum(b_pv * 0.0, 1) > 0.0/|gl.sum(b_pv * 0.0, 1) > 0.0|v_cache and not v_checked_first

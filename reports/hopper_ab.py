@@ -55,13 +55,15 @@ PATHS = [
 ]
 # --variants: the kernel walking head-major in every round, with its last round split where the cost
 # model says it pays, with every round dealt by cost, checking V before a masked tile's product, and
-# with the descriptors each program makes (the default before the nineteenth session)
+# with the descriptors each program makes (the default before the nineteenth session), and with the
+# last round dealt where the cheapest items would go last (the default before the twentieth)
 VARIANTS = [
     ("head_major", "kernels", True, {"BALANCED_WALK": False}),
     ("split", "kernels", True, {"SPLIT_LAST": True}),
     ("balanced_all", "kernels", True, {"BALANCED_ROUNDS": 10**6}),
     ("v_checked_first", "kernels", True, {"V_CHECK_AFTER": False}),
     ("device_descriptors", "kernels", True, {"DEVICE_DESCRIPTORS": True}),
+    ("dealt_last", "kernels", True, {"CHEAPEST_LAST": False}),
 ]
 # --previous DIR: the Hopper path of the commit in DIR/kernels_prev (reports/previous_kernels.sh)
 PREVIOUS = ("previous", "kernels_prev", True, {})

@@ -9,6 +9,7 @@ cannot pass for it.
 import importlib
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -95,23 +96,30 @@ def test_hopper_prefill(hopper_path, name, poison):
 
 
 @pytest.mark.parametrize(
-    ("walk", "rounds", "split"),
+    ("walk", "rounds", "split", "cheapest_last"),
     [
-        ("head-major", 0, False),
-        ("last-round", 1, False),
-        ("every-round", 10**6, False),
-        ("every-round-split", 10**6, True),
+        ("head-major", 0, False, False),
+        ("last-round", 1, False, False),
+        ("cheapest-last", 1, False, True),
+        ("every-round", 10**6, False, False),
+        ("every-round-split", 10**6, True, False),
     ],
 )
-def test_hopper_prefill_walks(hopper_path, monkeypatch, walk, rounds, split):
+def test_hopper_prefill_walks(hopper_path, monkeypatch, walk, rounds, split, cheapest_last):
     """The programs take the units `plan_walk` gives them, in head-major order, with rounds dealt by
-    cost (the last one by default), and with the last round split: 1024 items on the GPU's programs."""
+    cost (the last one by default), with the cheapest items last (the default where it pays, as
+    here), and with the last round split: 1024 items on the GPU's programs."""
     monkeypatch.setattr(hopper_prefill, "BALANCED_WALK", rounds > 0)
     monkeypatch.setattr(hopper_prefill, "BALANCED_ROUNDS", rounds)
     monkeypatch.setattr(hopper_prefill, "SPLIT_LAST", split)
     monkeypatch.setattr(hopper_prefill, "SPLIT_COST", 0.0)
+    monkeypatch.setattr(hopper_prefill, "CHEAPEST_LAST", cheapest_last)
     plan = _judge("phi3-ctx0-q4096", None)
     assert (plan.walk.num_slots > 0) == split
+    if cheapest_last:  # the walk is not the dealt one
+        tiles = [(0, t) for t in range(4096 // hopper_prefill.BLOCK_M)]
+        dealt = hopper_prefill.plan_walk(plan.lists.counts, tiles, 32, plan.programs, 1, False)
+        assert not np.array_equal(plan.walk.units, dealt.units)
 
 
 @pytest.mark.parametrize(

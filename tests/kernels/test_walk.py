@@ -1,8 +1,9 @@
 """The Hopper prefill's walk (kernels/hopper_prefill.plan_walk): every tile of every item taken exactly
 once, by units whose split items' slots are their own; the rounds before the dealt ones in head-major
 order; a round dealt whole gives its costliest item to its least-loaded program; a split last round
-evens the programs' ends. It is a schedule, so the kernel's outputs do not depend on it: the GPU tests
-of tests/kernels/test_hopper_prefill.py judge those against the oracle, on walks with split items."""
+evens the programs' ends; the cheapest items walked last end the busiest program sooner. It is a
+schedule, so the kernel's outputs do not depend on it: the GPU tests of
+tests/kernels/test_hopper_prefill.py judge those against the oracle, on walks with split items."""
 
 import numpy as np
 import pytest
@@ -10,8 +11,17 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kernels import hopper_prefill
-from kernels.hopper_prefill import ITEM_COST, MIN_SPLIT_TILES, PARTIAL_COST, SPLIT_COST, plan_walk
+import reference
+from kernels import hopper_prefill, tile_lists
+from kernels.hopper_prefill import (
+    BLOCK_M,
+    BLOCK_N,
+    ITEM_COST,
+    MIN_SPLIT_TILES,
+    PARTIAL_COST,
+    SPLIT_COST,
+    plan_walk,
+)
 from tests.budgets import examples
 
 pytestmark = [pytest.mark.ours, pytest.mark.operator("paged_prefill")]
@@ -77,10 +87,11 @@ def check_cover(walk, lists):
 
 
 @examples(6)
-@given(problems(), st.sampled_from([0, 1, 2, 10**6]), st.booleans())
-def test_walk_takes_every_tile_once(problem, dealt_rounds, split):
+@given(problems(), st.sampled_from([0, 1, 2, 10**6]), st.booleans(), st.booleans())
+def test_walk_takes_every_tile_once(monkeypatch, problem, dealt_rounds, split, cheapest_last):
+    monkeypatch.setattr(hopper_prefill, "CHEAPEST_LAST_ROUNDS", 2)  # walks this small take it too
     counts, query_tiles, heads, programs = problem
-    walk = plan_walk(counts, query_tiles, heads, programs, dealt_rounds, split)
+    walk = plan_walk(counts, query_tiles, heads, programs, dealt_rounds, split, cheapest_last=cheapest_last)
     check_cover(walk, item_lists(counts, query_tiles, heads))
     assert walk.offsets.shape[0] == programs + 1
 
@@ -144,6 +155,67 @@ def test_walk_dealt_whole_gives_each_rounds_costliest_item_to_its_least_loaded_p
         assert len(taking) == programs or r == max(map(len, units)) - 1
         for p in taking:
             loads[p] += cost[p]
+
+
+def model_loads(walk, lists) -> np.ndarray:
+    """Each program's cost of its units whole, by the cost model."""
+    return np.array([sum(unit_cost(lists, u) for u in units) for units in program_units(walk)])
+
+
+@examples(6)
+@given(problems(), st.integers(1, 4))
+def test_walk_cheapest_last_ends_sooner_by_the_cost_model(monkeypatch, problem, min_rounds):
+    """`cheapest_last`: a walk of at least CHEAPEST_LAST_ROUNDS rounds is either the dealt walk, or one
+    whose most-loaded program ends CHEAPEST_LAST_GAIN sooner by the cost model: the other items in
+    head-major rounds (the p-th of each round to program p), then the cheapest items, each costing no
+    more than any other, costliest first, each to the program least loaded so far."""
+    monkeypatch.setattr(hopper_prefill, "CHEAPEST_LAST_ROUNDS", min_rounds)
+    counts, query_tiles, heads, programs = problem
+    lists = item_lists(counts, query_tiles, heads)
+    cost = lists[:, 0] + PARTIAL_COST * lists[:, 1] + ITEM_COST
+    dealt = plan_walk(counts, query_tiles, heads, programs, 1, False)
+    walk = plan_walk(counts, query_tiles, heads, programs, 1, False, cheapest_last=True)
+    check_cover(walk, lists)
+    if np.array_equal(walk.units, dealt.units) and np.array_equal(walk.offsets, dealt.offsets):
+        return
+    assert -(-lists.shape[0] // programs) >= min_rounds
+    gain = hopper_prefill.CHEAPEST_LAST_GAIN
+    assert model_loads(walk, lists).max() < model_loads(dealt, lists).max() * (1 - gain + 1e-9)
+    units = program_units(walk)
+    # The other items' rounds: as many in every program, a round's items in head-major order
+    rounds = next(
+        r
+        for r in range(min(map(len, units)), 0, -1)
+        if (np.diff(np.stack([u[:r, 0] for u in units], 1).reshape(-1)) > 0).all()
+    )
+    rest = np.concatenate([u[:rounds, 0] for u in units])
+    tail = np.concatenate([u[rounds:, 0] for u in units])
+    assert cost[tail].max() <= cost[rest].min() + 1e-9
+    loads = np.array([cost[u[:rounds, 0]].sum() for u in units])
+    taken = [rounds] * programs
+    for w in sorted(tail.tolist(), key=lambda w: (-cost[w], -w)):  # ties: the later item first
+        # A program takes its tail items costliest first, each while it is among the least loaded.
+        p = next(p for p, u in enumerate(units) if w in u[rounds:, 0])
+        assert cost[units[p][taken[p], 0]] == cost[w]
+        assert loads[p] <= loads.min() + 1e-9
+        loads[p] += cost[w]
+        taken[p] += 1
+
+
+def test_walk_cheapest_last_at_8k_full_prefill():
+    """Issue 16's 8k full prefill (the Phi-3 layout, 2048 items on an H200's 132 programs): the dealt
+    walk's most-loaded program is 3.6% over the mean by the cost model, the cheapest-last one's 0.8%."""
+    layout = reference.LocalStridedLayout(64, 16, 8)
+    lists = tile_lists.tile_lists(layout, 32, 8192, BLOCK_M, BLOCK_N, 1, "cpu", halves=True)
+    query_tiles = [(0, t) for t in range(8192 // BLOCK_M)]
+    costs = item_lists(lists.counts, query_tiles, 32)
+    spread = {}
+    for cheapest_last in (False, True):
+        walk = plan_walk(lists.counts, query_tiles, 32, 132, 1, False, cheapest_last=cheapest_last)
+        check_cover(walk, costs)
+        loads = model_loads(walk, costs)
+        spread[cheapest_last] = loads.max() / loads.mean()
+    assert spread[False] > 1.03 and spread[True] < 1.01
 
 
 @examples(6)
