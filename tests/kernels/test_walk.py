@@ -172,7 +172,7 @@ def test_walk_cheapest_last_ends_sooner_by_the_cost_model(monkeypatch, problem, 
     monkeypatch.setattr(hopper_prefill, "CHEAPEST_LAST_ROUNDS", min_rounds)
     counts, query_tiles, heads, programs = problem
     lists = item_lists(counts, query_tiles, heads)
-    cost = lists[:, 0] + PARTIAL_COST * lists[:, 1] + ITEM_COST
+    cost = np.array([unit_cost(lists, (w, 0, lists[w].sum())) for w in range(lists.shape[0])])
     dealt = plan_walk(counts, query_tiles, heads, programs, 1, False)
     walk = plan_walk(counts, query_tiles, heads, programs, 1, False, cheapest_last=True)
     check_cover(walk, lists)
