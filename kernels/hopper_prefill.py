@@ -93,6 +93,12 @@ CHEAPEST_LAST_GAIN = 0.005
 # kernel was 7% slower (2-3% faster at 32k with 3328 and 8192 queries; reports/gpu/kernel-ab.md §23).
 SPLIT_LAST = False
 MIN_SPLIT_TILES, SPLIT_COST = 4, 4.0
+# A walk of one round that leaves programs idle (an engine's step over a cached prefix: 208 queries
+# of a 2k prompt are 64 items on 132 programs, 42 µs a layer on the H200) may split its items over
+# them where the cost model ends it sooner (SPLIT_ONE_ROUND). A launch that a plan of at most about
+# a round's tokens makes (`split_slots`) holds the states of such a walk, so that its replans (an
+# engine's prefill graphs) may split too. Off until a same-process A/B on the H200 says it pays.
+SPLIT_ONE_ROUND = False
 # A masked tile's weights times the slot's V as it is, the tile taken again with V checked and copied
 # only when that product is not finite (V is nearly always finite): its masked tiles cost 1200 cycles
 # less. It was 0.7-4.2% faster than the tile checked first at every row of issue 16's table up to 32k
@@ -266,6 +272,30 @@ def plan_walk(
         offsets = walk.offsets + np.concatenate([[0], np.cumsum(np.diff(walk.offsets) == 0)])
         walk = Walk(offsets, units, walk.num_slots)
     return walk
+
+
+def settled_walk(
+    counts: torch.Tensor, query_tiles: list, num_heads: int, programs: int, fits: tuple | None = None
+) -> Walk:
+    """A plan's walk under this module's settings, a unit for every program (`plan_walk`): its last
+    round split with SPLIT_LAST, or with SPLIT_ONE_ROUND where it is the only one and leaves programs
+    idle. `fits`: at a replan, (split states, units) that the plan's launch and buffer hold; a split
+    walk that needs more is taken unsplit (which they always hold). counts, query_tiles: `plan_walk`'s."""
+    split = SPLIT_LAST or (SPLIT_ONE_ROUND and len(query_tiles) * num_heads < programs)
+    args = (counts, query_tiles, num_heads, programs, BALANCED_ROUNDS if BALANCED_WALK else 0)
+    options = dict(every_program=True, cheapest_last=BALANCED_WALK and CHEAPEST_LAST)
+    walk = plan_walk(*args, split and (fits is None or fits[0] > 0), **options)
+    if fits is not None and (walk.num_slots > fits[0] or walk.units.shape[0] > fits[1]):
+        walk = plan_walk(*args, False, **options)
+    return walk
+
+
+def split_slots(num_tokens: int, num_heads: int, programs: int) -> int:
+    """The split states that the launch of a plan over `num_tokens` queries holds for its replans'
+    walks (`settled_walk`): with SPLIT_ONE_ROUND, where one sequence's queries would take about one
+    round, a one-round walk's most (its units, fewer than twice the programs: a program's boundary in
+    the stream of tiles cuts one item at most), else 0."""
+    return 2 * programs if SPLIT_ONE_ROUND and num_tokens * num_heads <= programs * BLOCK_M else 0
 
 
 def _plan_walk(
@@ -446,12 +476,12 @@ def timeline_shape(walk: Walk) -> tuple:
 
 
 def launch(
-    grid, device: torch.device, planned: dict, descriptors: "CacheDescriptors", walk: Walk
+    grid, device: torch.device, planned: dict, descriptors: "CacheDescriptors", walk: Walk, slots: int
 ) -> BoundLaunch:
     """The bound launch of `hopper_prefill_kernel`, from the Triton kernel's planned arguments and grid
     (query tiles, heads): its planned tiles buffer holds that many (sequence, tile) pairs, then the
-    walk's `flat()` entries. The launch owns its split items' states and counts: a plan's runs must not
-    overlap (one stream)."""
+    walk's `flat()` entries. The launch owns the states and counts of `slots` split items' parts (at
+    least the walk's): a plan's runs must not overlap (one stream)."""
     names = set(hopper_prefill_kernel.arg_names)
     num_tiles, num_heads = grid
     if TIMELINE is not None:  # the kernel writes every stamp it may take: the buffer must hold them all
@@ -459,13 +489,13 @@ def launch(
         if TIMELINE.dtype != torch.int64 or tuple(TIMELINE.shape) != shape or TIMELINE.device != device:
             raise ValueError(f"hopper_prefill.TIMELINE: expected int64 {list(shape)} on {device}")
     head_dim = descriptors.block[1]
-    if walk.num_slots:
+    if slots < walk.num_slots:
+        raise ValueError(f"launch: {slots} split slots for a walk of {walk.num_slots}")
+    if slots:
         # A consumer's state a slot: accumulator [ROWS, head_dim], then rows' maxima, sums, seen flags;
         # and a consumer's parts ended, a slot.
-        split_state = torch.empty(
-            walk.num_slots * BLOCK_M * (head_dim + 3), dtype=torch.float32, device=device
-        )
-        split_done = torch.zeros(walk.num_slots * 2, dtype=torch.int32, device=device)
+        split_state = torch.empty(slots * BLOCK_M * (head_dim + 3), dtype=torch.float32, device=device)
+        split_done = torch.zeros(slots * 2, dtype=torch.int32, device=device)
     else:  # unread (SPLIT off): no allocation, no fill launch a plan
         split_state, split_done = _unread_split_buffers(device)
     return BoundLaunch(
@@ -482,7 +512,7 @@ def launch(
         walk=planned["tiles"][2 * num_tiles :],
         split_state=split_state,
         split_done=split_done,
-        SPLIT=walk.num_slots > 0,  # compiled in only for walks with split items (its code costs, §23)
+        SPLIT=slots > 0,  # compiled in only for launches that may split items (its code costs, §23)
         timeline=planned["tiles"] if TIMELINE is None else TIMELINE,
         TIMELINE=TIMELINE is not None,
         V_CHECK_AFTER=V_CHECK_AFTER,

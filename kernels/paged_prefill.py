@@ -242,11 +242,14 @@ class PrefillPlan:
         self.programs = (
             hopper_prefill.num_programs((self.max_tiles, batch.num_heads), device) if hopper else 0
         )
+        # The split states the launch holds for its replans' walks (`hopper_prefill.split_slots`).
+        self.split_slots = hopper_prefill.split_slots(q.shape[0], batch.num_heads, self.programs)
         size = 2 * self.max_tiles
         if hopper:
-            # The walk of any batch in bounds: a unit an item (or a stand-in), after the offsets; or
-            # this call's, split.
+            # The walk of any batch in bounds: a unit an item (or a stand-in), after the offsets, or one
+            # of a round split (fewer than one more a program); or this call's, split.
             units = max(self.max_tiles * batch.num_heads, self.programs)
+            units += self.programs if self.split_slots else 0
             size += self.programs + 1 + units * hopper_prefill.ROW_FIELDS
         host = torch.from_numpy(self._fill(tiles, batch.seq_lens, batch.query_starts))
         buffer = torch.empty(max(size, host.shape[0]), dtype=torch.int32, device=device)
@@ -275,10 +278,12 @@ class PrefillPlan:
         )
         self.launch = None  # the Triton launch, bound when a run first needs it (`triton_launch`)
         if hopper:  # the Triton launch then serves only caches that are not 16-byte aligned
+            self.split_slots = max(self.split_slots, self.walk.num_slots)
             self.descriptors = hopper_prefill.CacheDescriptors(k_cache)
             self.hopper = hopper_prefill.launch(
-                (self.max_tiles, batch.num_heads), device, self.planned, self.descriptors, self.walk
-            )
+                (self.max_tiles, batch.num_heads), device, self.planned, self.descriptors, self.walk,
+                self.split_slots,
+            )  # fmt: skip
 
     def _fill(self, tiles: list, seq_lens: list[int], query_starts: list[int], out=None) -> np.ndarray:
         """What the `tiles` buffer starts with (int32, written into the front of `out` when given): the
@@ -288,15 +293,12 @@ class PrefillPlan:
         pairs = np.array(tiles, dtype=np.int32).reshape(-1)
         size = pairs.shape[0]
         if self.programs:
-            self.walk = hopper_prefill.plan_walk(
-                self.lists.counts,
-                tiles,
-                self.grid[1],
-                self.programs,
-                hopper_prefill.BALANCED_ROUNDS if hopper_prefill.BALANCED_WALK else 0,
-                hopper_prefill.SPLIT_LAST and self.walk is None,  # a replanned walk fits the launch's SPLIT
-                every_program=True,
-                cheapest_last=hopper_prefill.BALANCED_WALK and hopper_prefill.CHEAPEST_LAST,
+            fits = None  # at planning: the launch is made for the walk
+            if self.walk is not None:  # a replan's walk fits the launch and the buffer
+                room = self.planned["tiles"].shape[0] - 2 * self.max_tiles - self.programs - 1
+                fits = (self.split_slots, room // hopper_prefill.ROW_FIELDS)
+            self.walk = hopper_prefill.settled_walk(
+                self.lists.counts, tiles, self.grid[1], self.programs, fits
             )
             size = 2 * self.max_tiles + self.walk.size
         out = np.empty(size, dtype=np.int32) if out is None else out[:size]

@@ -24,7 +24,8 @@ warm-up ones:
     device idle ms  in profiled steps (the profiler slows the host): before the step's first kernel,
                 between its kernels (inside graphs too), after its last (`device_idle`; decode rows:
                 of the window, per step).
-`python3 -m reports.engine_steps [--out DIR] [--profile N]` runs the GPU settings and writes
+`python3 -m reports.engine_steps [--out DIR] [--profile N] [--rows gpu|split-one-round]` runs the GPU
+settings (or an A/B's rows, each with its kernels/hopper_prefill.py settings) and writes
 engine-steps.{md,json} (`--profile N`: also the N operators of most host time per row, from the
 profiler, to the log); `--smoke` a tiny CPU setting that checks the script, not the numbers.
 """
@@ -37,10 +38,12 @@ import random
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from unittest import mock
 
 import torch
 
 from engine import LLM, SamplingParams
+from kernels import hopper_prefill
 
 LAUNCH_APIS = (
     "cudaLaunchKernel",
@@ -61,6 +64,7 @@ class Row:
     eager: bool = False  # LLM(enforce_eager=...): no CUDA graphs
     pieces: bool = False  # prefill steps in piece graphs around eager attention (whole_prefill off)
     read_first: bool = False  # each decode step launched after the one before was read (async_decode off)
+    hopper: tuple = ()  # (name, value) settings of kernels/hopper_prefill.py during the row: an A/B
 
     @property
     def graphs(self) -> str:
@@ -86,7 +90,16 @@ GPU_ROWS = tuple(
     )  # fmt: skip
     if (not pieces or args[1] == "prefill") and (not read_first or args[1] == "decode")
 )
+# --rows split-one-round: the 2k prefill steps with and without SPLIT_ONE_ROUND (a lone round's items
+# split over the idle programs; issue 17's step over a cached prefix), in turn, in one process.
+SPLIT_ONE_ROUND_ROWS = tuple(
+    Row(model, "prefill", 2048, share, hopper=hopper)
+    for model in ("phi3-small-attn", "phi3-small")
+    for share in (0.9, 0.0)
+    for hopper in ((), (("SPLIT_ONE_ROUND", True),), (("SPLIT_ONE_ROUND", True),), ())
+)
 SMOKE_ROWS = (Row("tiny", "prefill", 64, 0.5, eager=True), Row("tiny", "decode", 48, batch=4, eager=True))
+ROW_SETS = {"gpu": GPU_ROWS, "split-one-round": SPLIT_ONE_ROUND_ROWS}
 
 
 def _sync() -> None:
@@ -286,16 +299,17 @@ def _device_profile(
 
 
 def measure(row: Row, warmup: int, runs: int, top: int) -> dict:
-    llm = _engine(row)
-    clock = StepClock(llm)
-    host, wall, phases = [], [], []
-    for i, _ in enumerate(_steps(llm, row, warmup + runs)):
-        h, w, ph = clock.step(llm, sync=row.kind == "prefill")
-        if i >= warmup:
-            host.append(h)
-            wall.append(w)
-            phases.append(ph)
-    device, api_ms, launches, idle, table = _device_profile(llm, clock, row, 3, top)
+    with mock.patch.dict(vars(hopper_prefill), row.hopper):  # the engine's graphs are made within
+        llm = _engine(row)
+        clock = StepClock(llm)
+        host, wall, phases = [], [], []
+        for i, _ in enumerate(_steps(llm, row, warmup + runs)):
+            h, w, ph = clock.step(llm, sync=row.kind == "prefill")
+            if i >= warmup:
+                host.append(h)
+                wall.append(w)
+                phases.append(ph)
+        device, api_ms, launches, idle, table = _device_profile(llm, clock, row, 3, top)
     n_layers = llm.args.n_layers
     host_ms, step_ms = statistics.median(host), statistics.median(wall)
     result = dict(
@@ -337,8 +351,11 @@ def write_markdown(path: pathlib.Path, rows: list[dict], env: str) -> None:
     ]
     for r in rows:
         which = f"h {r['share']:.2f}" if r["kind"] == "prefill" else f"B {r['batch']}"
+        graphs = Row(**_fields(r)).graphs + "".join(
+            f", {name} {value}" for name, value in r.get("hopper", ())
+        )
         lines.append(
-            f"| {r['model']} | {r['kind']} | {r['tokens']} | {which} | {Row(**_fields(r)).graphs} | "
+            f"| {r['model']} | {r['kind']} | {r['tokens']} | {which} | {graphs} | "
             f"{r['step_ms']:.2f} | {r['host_ms']:.2f} | "
             f"{r['kernels_ms']:.3f} | {r['step_over_kernels']:.2f} | {r['launches']:.0f} | "
             f"{r['launch_api_ms']:.2f} | {r['host_per_layer_us']:.0f} | "
@@ -357,9 +374,10 @@ def main(argv=None) -> None:
     parser.add_argument("--profile", type=int, default=0, help="print this many operators a row")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--only", nargs="*", help="the rows of these MODEL:KIND (e.g. phi3-small:decode)")
+    parser.add_argument("--rows", choices=ROW_SETS, default="gpu", help="the GPU rows, or an A/B's")
     args = parser.parse_args(argv)
     smoke = args.smoke or not torch.cuda.is_available()
-    rows = SMOKE_ROWS if smoke else GPU_ROWS
+    rows = SMOKE_ROWS if smoke else ROW_SETS[args.rows]
     if args.only:
         rows = [row for row in rows if f"{row.model}:{row.kind}" in args.only]
     results = []

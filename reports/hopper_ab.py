@@ -2,9 +2,10 @@
 kernel it replaces on sm_90 (GPU only).
 
 `python3 -m reports.hopper_ab --out DIR [--only times,host,profile,timeline,durations] [--variants [NAME,...]]
-[--previous DIR] [--vllm DIR] [--rounds N] [--max-tokens N] [--min-tokens N]`: the planned times of both
-paths (and of the variants, of the previous commit's Hopper path, and of vLLM's kernel on the Phi-3 rows,
-reports/vllm_baseline.py) on rows of the kernel benchmark (reports/bench_kernels.py), in one process, each
+[--previous DIR] [--vllm DIR] [--rounds N] [--max-tokens N] [--min-tokens N] [--rows issue|engine|all]`: the
+planned times of both paths (and of the variants, of the previous commit's Hopper path, and of vLLM's kernel
+on the Phi-3 rows, reports/vllm_baseline.py) on rows of the kernel benchmark (reports/bench_kernels.py; or
+the engine's prefill step over a cached 2k prompt, `--rows engine`), in one process, each
 timed once a round in turn, each round starting one path later (`--rounds`: the same-process spread); with
 `--vllm` the ratios to vLLM are to its time in this process, otherwise to issue 16's (bench_kernels.VLLM_MS);
 `host` breaks down the Hopper run's host time at 8k; `profile` runs each path once on the 8k Phi-3 prefill,
@@ -56,7 +57,9 @@ PATHS = [
 # --variants: the kernel walking head-major in every round, with its last round split where the cost
 # model says it pays, with every round dealt by cost, checking V before a masked tile's product, and
 # with the descriptors each program makes (the default before the nineteenth session), and with the
-# last round dealt where the cheapest items would go last (the default before the twentieth)
+# last round dealt where the cheapest items would go last (the default before the twentieth), and with
+# a lone round's items split over the programs it leaves idle (by the cost model's defaults, and with
+# parts of two tiles or more at half the set-up)
 VARIANTS = [
     ("head_major", "kernels", True, {"BALANCED_WALK": False}),
     ("split", "kernels", True, {"SPLIT_LAST": True}),
@@ -64,6 +67,13 @@ VARIANTS = [
     ("v_checked_first", "kernels", True, {"V_CHECK_AFTER": False}),
     ("device_descriptors", "kernels", True, {"DEVICE_DESCRIPTORS": True}),
     ("dealt_last", "kernels", True, {"CHEAPEST_LAST": False}),
+    ("split_one_round", "kernels", True, {"SPLIT_ONE_ROUND": True}),
+    (
+        "split_one_round_fine",
+        "kernels",
+        True,
+        {"SPLIT_ONE_ROUND": True, "MIN_SPLIT_TILES": 2, "SPLIT_COST": 2.0},
+    ),
 ]
 # --previous DIR: the Hopper path of the commit in DIR/kernels_prev (reports/previous_kernels.sh)
 PREVIOUS = ("previous", "kernels_prev", True, {})
@@ -75,6 +85,10 @@ TIME_ROWS = (
     + [(8192, 8192, "phi3", 64), (8192, 8192, "dense", 16)]
     + [row for row in PHI3_ROWS if row[0] >= 131072]
 )
+# --rows engine: an engine's prefill step over a cached 2k prompt (208 queries, h 0.9; issue 17), whose
+# single round of 64 items leaves most of the H200's 132 programs idle.
+ENGINE_ROWS = [(2048, 208, "phi3", 16), (2048, 208, "dense", 16)]
+ROWS = {"issue": TIME_ROWS, "engine": ENGINE_ROWS, "all": ENGINE_ROWS + TIME_ROWS}
 ENQUEUE_TOKENS = 8192  # enqueue times are taken at these rows only (the queue is slow to fill at 128k)
 
 
@@ -97,13 +111,15 @@ def path_runs(p, n: int, layout, paths, vllm=None, csr=VLLM_CSR) -> tuple[dict, 
     return plans, runs
 
 
-def times(save, paths, rounds: int = 1, max_tokens=None, min_tokens=None, vllm=None) -> list[dict]:
+def times(
+    save, paths, rounds: int = 1, max_tokens=None, min_tokens=None, vllm=None, rows=TIME_ROWS
+) -> list[dict]:
     """The rows' times (from min_tokens up to max_tokens), each path timed once a round, in turn from a path
     one later each round (`{path}_ms`: the median of its rounds), with vLLM's kernel on the Phi-3 rows when
     `vllm` names its directory; `save(rows)` after each row (a run cut short keeps what it measured)."""
     gen = torch.Generator().manual_seed(0)
-    rows = []
-    for n, queries, layout_name, page in TIME_ROWS:
+    measured = []
+    for n, queries, layout_name, page in rows:
         if (max_tokens is not None and n > max_tokens) or (min_tokens is not None and n < min_tokens):
             continue
         layout = bk.phi3_layout() if layout_name == "phi3" else None
@@ -138,10 +154,10 @@ def times(save, paths, rounds: int = 1, max_tokens=None, min_tokens=None, vllm=N
             f"issue {row['vllm_issue_ms']})",
             flush=True,
         )
-        rows.append(row)
-        save(rows)
+        measured.append(row)
+        save(measured)
     bk.PAGE_SIZE = 16
-    return rows
+    return measured
 
 
 DURATION_QUERIES = (8192, 4096, 2048, 832)  # the 8k Phi-3 rows
@@ -232,6 +248,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=1, help="times: each path timed this many times")
     parser.add_argument("--max-tokens", type=int, help="times: only the rows of at most this many tokens")
     parser.add_argument("--min-tokens", type=int, help="times: only the rows of at least this many tokens")
+    parser.add_argument("--rows", choices=ROWS, default="issue", help="times: issue 16's rows, the engine's")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     wanted = set(args.variants.split(",")) if args.variants not in (None, "all") else None
@@ -246,7 +263,12 @@ def main(argv=None) -> int:
         (args.out / "hopper-ab.json").write_text(json.dumps(result, indent=1))
 
     timed = functools.partial(
-        times, rounds=args.rounds, max_tokens=args.max_tokens, min_tokens=args.min_tokens, vllm=args.vllm
+        times,
+        rounds=args.rounds,
+        max_tokens=args.max_tokens,
+        min_tokens=args.min_tokens,
+        vllm=args.vllm,
+        rows=ROWS[args.rows],
     )
     parts = {
         "times": timed,

@@ -76,6 +76,15 @@ SPLIT_CASES = {
     "rows-empty-long": _case((1500,), (1500,), layout=LayoutSpec("block_mask", 64, density=0.15)),
     "scale-saturating-long": _case((1200,), (1000,), scale=32.0, input_scale=5.0),
 }
+# Cases of one round of items that leaves programs idle (SPLIT_ONE_ROUND), the engine's step over a
+# cached 2k prompt among them.
+ONE_ROUND_CASES = {
+    name: CASES[name] for name in ("elements-S16-P32", "dense-ctx223-q777-P16", "dense-P8-D64-fp16-batch")
+} | {
+    "phi3-ctx1840-q208": _case((2048,), (208,), 32, 8, layout=PHI3),
+    "rows-empty-long": SPLIT_CASES["rows-empty-long"],
+    "scale-saturating-long": SPLIT_CASES["scale-saturating-long"],
+}
 PARAMS = [pytest.param(name, None, id=name) for name in CASES] + [
     pytest.param(name, poison, id=f"{name}-{poison[0]}-{poison[3]}@{poison[1]}")
     for name, *poison in NON_FINITE
@@ -143,6 +152,22 @@ def test_hopper_prefill_split_items(hopper_path, monkeypatch, name, poison):
     assert torch.equal(again.run(q, k_cache, v_cache), first)
 
 
+@pytest.mark.parametrize("name", list(ONE_ROUND_CASES))
+def test_hopper_prefill_split_one_round(hopper_path, monkeypatch, name):
+    """SPLIT_ONE_ROUND (off by default): a single round of items, fewer than the programs, split over
+    the idle ones (parts of a tile or more): against the oracle, and the same bits on a second run."""
+    monkeypatch.setattr(hopper_prefill, "SPLIT_ONE_ROUND", True)
+    monkeypatch.setattr(hopper_prefill, "MIN_SPLIT_TILES", 1)
+    monkeypatch.setattr(hopper_prefill, "SPLIT_COST", 0.0)
+    plan = _judge(name, None, ONE_ROUND_CASES)
+    assert plan.walk.num_slots > 0 and plan.split_slots >= plan.walk.num_slots, "no item was split"
+    inputs = build_inputs(ONE_ROUND_CASES[name], "cuda")
+    q, k_cache, v_cache = (inputs[key] for key in ("q", "k_cache", "v_cache"))
+    again = _plan(inputs)
+    first = again.run(q, k_cache, v_cache)
+    assert torch.equal(again.run(q, k_cache, v_cache), first)
+
+
 @pytest.mark.parametrize(
     ("name", "poison"),
     [param for param in PARAMS if param.values[1] is not None or param.values[0] in CHECK_AFTER_CASES],
@@ -183,13 +208,19 @@ def test_host_descriptors_encoded_once_per_cache(hopper_path, monkeypatch):
     assert len(hopper_prefill._ENCODED) == 4
 
 
+@pytest.mark.parametrize("one_round", [False, True], ids=["whole", "split-one-round"])
 @pytest.mark.parametrize(
     "name", ["dense-P64-batch", "dense-P8-D64-fp16-batch", "elements-S16-P32", "phi3-ctx0-q4096"]
 )
-def test_hopper_prefill_replanned_in_a_cuda_graph(hopper_path, name):
+def test_hopper_prefill_replanned_in_a_cuda_graph(hopper_path, monkeypatch, name, one_round):
     """A plan made for one more sequence, each at the table's whole length, captured in a CUDA graph,
     then replanned for the case in place and replayed (`PrefillPlan.replan`), against the oracle: the
-    small batches leave programs of the planned grid without an item (stand-in units)."""
+    small batches leave programs of the planned grid without an item (stand-in units), or, with
+    SPLIT_ONE_ROUND, split their items over them in the split states that the launch holds."""
+    if one_round:
+        monkeypatch.setattr(hopper_prefill, "SPLIT_ONE_ROUND", True)
+        monkeypatch.setattr(hopper_prefill, "MIN_SPLIT_TILES", 1)
+        monkeypatch.setattr(hopper_prefill, "SPLIT_COST", 0.0)
     case, plans = CASES[name], []
     inputs = build_inputs(case, "cuda")
     impl = test_plan.prefill_replanned(registry.load("triton"), plans)
@@ -198,7 +229,9 @@ def test_hopper_prefill_replanned_in_a_cuda_graph(hopper_path, name):
     )
     assert verdict.status == "passed", verdict.message
     assert plans and all(plan.fixed_launch for plan in plans), "the plan did not take the Hopper path"
-    if name != "phi3-ctx0-q4096":
+    if name != "phi3-ctx0-q4096" and one_round:
+        assert any(plan.walk.num_slots > 0 for plan in plans), "no replanned walk split an item"
+    elif name != "phi3-ctx0-q4096":
         assert any((plan.walk.units[:, 0] < 0).any() for plan in plans), "no stand-in unit"
 
 

@@ -81,7 +81,7 @@ def check_cover(walk, lists):
         first, parts = mine[0, 4], mine.shape[0]
         assert (mine[:, 4] == first).all() and (mine[:, 5] == parts).all()
         assert sorted(mine[:, 3].tolist()) == list(range(first, first + parts))
-        assert (mine[:, 2] - mine[:, 1] >= MIN_SPLIT_TILES).all()
+        assert (mine[:, 2] - mine[:, 1] >= hopper_prefill.MIN_SPLIT_TILES).all()  # as monkeypatched
         slots += mine[:, 3].tolist()
     assert sorted(slots) == list(range(walk.num_slots))
 
@@ -266,3 +266,84 @@ def test_walk_rows_are_each_units_item_and_metadata(problem, split):
         expected = [seq, qtile, head, counts[0, qtile, min(head, counts.shape[2] - 1)].item()]
         expected += unit[1:].tolist() + [starts[seq], seq_lens[seq] - query_len, seq_lens[seq]]
         assert row.tolist() == expected
+
+
+def settled_options(monkeypatch, one_round: bool) -> dict:
+    """The module's settings for `settled_walk` (SPLIT_LAST off, its default), SPLIT_ONE_ROUND as
+    given, and the plain `plan_walk` options it must take."""
+    monkeypatch.setattr(hopper_prefill, "SPLIT_LAST", False)
+    monkeypatch.setattr(hopper_prefill, "SPLIT_ONE_ROUND", one_round)
+    rounds = hopper_prefill.BALANCED_ROUNDS if hopper_prefill.BALANCED_WALK else 0
+    cheapest_last = hopper_prefill.BALANCED_WALK and hopper_prefill.CHEAPEST_LAST
+    return dict(dealt_rounds=rounds, every_program=True, cheapest_last=cheapest_last)
+
+
+def same_walk(a, b) -> bool:
+    return (
+        np.array_equal(a.offsets, b.offsets)
+        and np.array_equal(a.units, b.units)
+        and a.num_slots == b.num_slots
+    )
+
+
+@examples(6)
+@given(
+    problems(), st.integers(0, 40), st.booleans(), st.sampled_from([(1, 0.0), (MIN_SPLIT_TILES, SPLIT_COST)])
+)
+def test_settled_walk_splits_only_a_lone_round_that_leaves_programs_idle(
+    monkeypatch, problem, extra, one_round, split_model
+):
+    """`settled_walk` at planning: with SPLIT_ONE_ROUND, a walk of fewer items than programs is
+    `plan_walk`'s split one (which splits where the cost model ends it sooner), in fewer split states
+    than twice the programs and at most one unit more a program than items or programs (what
+    `split_slots` and a plan's buffer hold); any other walk, and every walk with the flag off, is the
+    unsplit one."""
+    monkeypatch.setattr(hopper_prefill, "MIN_SPLIT_TILES", split_model[0])
+    monkeypatch.setattr(hopper_prefill, "SPLIT_COST", split_model[1])
+    options = settled_options(monkeypatch, one_round)
+    counts, query_tiles, heads, programs = problem
+    programs += extra
+    items = len(query_tiles) * heads
+    walk = hopper_prefill.settled_walk(counts, query_tiles, heads, programs)
+    split = one_round and items < programs
+    assert same_walk(walk, plan_walk(counts, query_tiles, heads, programs, split=split, **options))
+    check_cover(walk, item_lists(counts, query_tiles, heads))
+    if split:
+        assert walk.num_slots < 2 * programs
+        assert walk.units.shape[0] <= max(items, programs) + programs
+
+
+@examples(6)
+@given(problems(), st.integers(0, 40), st.integers(0, 80), st.integers(0, 120))
+def test_settled_walk_at_a_replan_fits_the_launch(monkeypatch, problem, extra, slots, units):
+    """`settled_walk` at a replan (`fits`: the split states and units the plan's launch and buffer
+    hold): the split walk where it fits them, else the unsplit one; a launch without split states
+    never gets a split walk."""
+    monkeypatch.setattr(hopper_prefill, "MIN_SPLIT_TILES", 1)
+    monkeypatch.setattr(hopper_prefill, "SPLIT_COST", 0.0)
+    options = settled_options(monkeypatch, True)
+    counts, query_tiles, heads, programs = problem
+    programs += extra
+    walk = hopper_prefill.settled_walk(counts, query_tiles, heads, programs, fits=(slots, units))
+    planned = hopper_prefill.settled_walk(counts, query_tiles, heads, programs)
+    unsplit = plan_walk(counts, query_tiles, heads, programs, split=False, **options)
+    fits = planned.num_slots <= slots and planned.units.shape[0] <= units
+    assert same_walk(walk, planned if fits else unsplit)
+    assert walk.num_slots <= slots
+
+
+@pytest.mark.parametrize("one_round", [False, True])
+def test_split_slots_where_a_plan_takes_about_one_round(monkeypatch, one_round):
+    """`split_slots`: a launch holds a one-round walk's split states (twice its programs) when its
+    plan's queries take at most a round of query tiles on every head, with SPLIT_ONE_ROUND only."""
+    monkeypatch.setattr(hopper_prefill, "SPLIT_ONE_ROUND", one_round)
+    for tokens, heads, programs in [
+        (208, 32, 132),
+        (528, 32, 132),
+        (529, 32, 132),
+        (2048, 8, 132),
+        (1, 1, 1),
+    ]:
+        expected = 2 * programs if one_round and tokens * heads <= programs * BLOCK_M else 0
+        assert hopper_prefill.split_slots(tokens, heads, programs) == expected
+    assert hopper_prefill.split_slots(208, 32, 132) == (264 if one_round else 0)  # the engine's 2k h.9 step
