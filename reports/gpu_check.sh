@@ -32,6 +32,12 @@
 #                                             GPU (tests/engine, the plan, walk, specialization and
 #                                             Hopper tests), then reports/engine_steps.py and the
 #                                             engine TTFT (issue 17)
+#   bash reports/gpu_check.sh OUT_DIR split-one-round   issue 17's attention split (hopper_prefill's
+#                                             SPLIT_ONE_ROUND, off): the Hopper path's split and replan
+#                                             tests, the engine's tests in a copy of the tree with it
+#                                             on, the kernel's A/B on the engine's 2k step
+#                                             (hopper_ab --rows engine) and the engine's steps with it
+#                                             off and on in turns (engine_steps --rows split-one-round)
 #   bash reports/gpu_check.sh OUT_DIR verdicts-rest    sharpness and false alarms on the GPU
 #                                             (sharpness.md), and an illegal memory access in the
 #                                             campaign (worker replaced), in --replay and in pytest
@@ -154,6 +160,23 @@ BREAKS
     step 150 engine-steps python3 -m reports.engine_steps --out "$out" --runs "${ENGINE_RUNS:-3}" ${ENGINE_STEPS_ARGS:-}
     step 260 engine-ttft python3 -m reports.bench_engine --out "$out" --time-cap 240
     ;;
+  split-one-round)
+    # The tests first, side by side (their compiles fill the CPUs); the timings after them, alone.
+    step 240 tests python3 -m pytest tests/kernels/test_hopper_prefill.py -q -p no:cacheprovider -n 4 \
+      -k "split or replanned" &
+    on=/tmp/split-one-round-on
+    rm -rf "$on" && mkdir -p "$on" && tar --exclude=./.ab --exclude=./.vllm -cf - . | tar -xf - -C "$on"
+    sed -i 's/^SPLIT_ONE_ROUND = False/SPLIT_ONE_ROUND = True/' "$on/kernels/hopper_prefill.py"
+    grep -q "^SPLIT_ONE_ROUND = True" "$on/kernels/hopper_prefill.py" || echo "split-on: the edit did not apply" >> "$out/summary.txt"
+    (cd "$on" && step 240 engine-tests-on python3 -m pytest -q -n 4 -rf -p no:cacheprovider tests/engine \
+      tests/kernels/test_plan.py tests/kernels/test_walk.py) < /dev/null &
+    wait
+    tail -n 3 "$out/tests.log" "$out/engine-tests-on.log" >> "$out/summary.txt"
+    step 120 hopper-ab python3 -m reports.hopper_ab --out "$out" --only times --rows engine --rounds 7 \
+      --variants split_one_round,split_one_round_fine
+    tail -n 3 "$out/hopper-ab.log" >> "$out/summary.txt"
+    step 220 engine-steps python3 -m reports.engine_steps --out "$out" --rows split-one-round --runs 5
+    ;;
   kernels)
     step 480 bench-kernels python3 -m reports.bench --only kernels --out "$out" --previous .ab
     ;;
@@ -196,7 +219,7 @@ BREAKS
       first-failure-replay="$out/first-failure-replay.json" > /dev/null
     grep -h "worker(s) on\|done in\|summary:" "$out"/campaign-*.log "$out"/first-failure-*.log >> "$out/summary.txt"
     ;;
-  *) echo "unknown part $part (suite, bench, engine, layouts, kernels, probe, hopper, verdicts-tests, verdicts-rest or campaign)"; exit 2 ;;
+  *) echo "unknown part $part (suite, bench, engine, split-one-round, layouts, kernels, probe, hopper, verdicts-tests, verdicts-rest or campaign)"; exit 2 ;;
 esac
 cat "$out/summary.txt"
 # The device tool returns at most eight files per call: everything also goes back as one archive.
