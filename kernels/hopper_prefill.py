@@ -292,9 +292,9 @@ def settled_walk(
 
 def split_slots(num_tokens: int, num_heads: int, programs: int) -> int:
     """The split states that the launch of a plan over `num_tokens` queries holds for its replans'
-    walks (`settled_walk`): with SPLIT_ONE_ROUND, where one sequence's queries would take about one
-    round, a one-round walk's most (its units, fewer than twice the programs: a program's boundary in
-    the stream of tiles cuts one item at most), else 0."""
+    walks (`settled_walk`): with SPLIT_ONE_ROUND, where its queries would take about one round, the
+    most a one-round walk takes (fewer than twice the programs: its split items are fewer than the
+    programs, and a program's boundary in the stream of tiles cuts one item at most), else 0."""
     return 2 * programs if SPLIT_ONE_ROUND and num_tokens * num_heads <= programs * BLOCK_M else 0
 
 

@@ -114,9 +114,10 @@ def path_runs(p, n: int, layout, paths, vllm=None, csr=VLLM_CSR) -> tuple[dict, 
 def times(
     save, paths, rounds: int = 1, max_tokens=None, min_tokens=None, vllm=None, rows=TIME_ROWS
 ) -> list[dict]:
-    """The rows' times (from min_tokens up to max_tokens), each path timed once a round, in turn from a path
-    one later each round (`{path}_ms`: the median of its rounds), with vLLM's kernel on the Phi-3 rows when
-    `vllm` names its directory; `save(rows)` after each row (a run cut short keeps what it measured)."""
+    """The times of `rows` (tokens, queries, layout, page size; from min_tokens up to max_tokens), each path
+    timed once a round, in turn from a path one later each round (`{path}_ms`: the median of its rounds),
+    with vLLM's kernel on the Phi-3 rows when `vllm` names its directory; `save(measured)` after each row
+    (a run cut short keeps what it measured)."""
     gen = torch.Generator().manual_seed(0)
     measured = []
     for n, queries, layout_name, page in rows:
