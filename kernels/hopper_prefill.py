@@ -95,9 +95,10 @@ SPLIT_LAST = False
 MIN_SPLIT_TILES, SPLIT_COST = 4, 4.0
 # A walk of one round that leaves programs idle (an engine's step over a cached prefix: 208 queries
 # of a 2k prompt are 64 items on 132 programs, 42 µs a layer on the H200) may split its items over
-# them where the cost model ends it sooner (SPLIT_ONE_ROUND). A launch that a plan of at most about
-# a round's tokens makes (`split_slots`) holds the states of such a walk, so that its replans (an
-# engine's prefill graphs) may split too. Off until a same-process A/B on the H200 says it pays.
+# them, a part a program, where the cost model ends it sooner (SPLIT_ONE_ROUND, `split_one_round`).
+# A launch that a plan of at most about a round's tokens makes (`split_slots`) holds the states of
+# such a walk, so that its replans (an engine's prefill graphs) may split too. Off until a
+# same-process A/B on the H200 says it pays.
 SPLIT_ONE_ROUND = False
 # A masked tile's weights times the slot's V as it is, the tile taken again with V checked and copied
 # only when that product is not finite (V is nearly always finite): its masked tiles cost 1200 cycles
@@ -277,14 +278,18 @@ def plan_walk(
 def settled_walk(
     counts: torch.Tensor, query_tiles: list, num_heads: int, programs: int, fits: tuple | None = None
 ) -> Walk:
-    """A plan's walk under this module's settings, a unit for every program (`plan_walk`): its last
-    round split with SPLIT_LAST, or with SPLIT_ONE_ROUND where it is the only one and leaves programs
-    idle. `fits`: at a replan, (split states, units) that the plan's launch and buffer hold; a split
-    walk that needs more is taken unsplit (which they always hold). counts, query_tiles: `plan_walk`'s."""
-    split = SPLIT_LAST or (SPLIT_ONE_ROUND and len(query_tiles) * num_heads < programs)
+    """A plan's walk under this module's settings, a unit for every program (`plan_walk`): a single
+    round that leaves programs idle split over them with SPLIT_ONE_ROUND (`split_one_round`), else
+    its last round split with SPLIT_LAST. `fits`: at a replan, (split states, units) that the plan's
+    launch and buffer hold; a split walk that needs more is taken unsplit (which they always hold).
+    counts, query_tiles: `plan_walk`'s."""
     args = (counts, query_tiles, num_heads, programs, BALANCED_ROUNDS if BALANCED_WALK else 0)
     options = dict(every_program=True, cheapest_last=BALANCED_WALK and CHEAPEST_LAST)
-    walk = plan_walk(*args, split and (fits is None or fits[0] > 0), **options)
+    walk = None
+    if SPLIT_ONE_ROUND and len(query_tiles) * num_heads < programs and (fits is None or fits[0] > 0):
+        walk = split_one_round(counts, query_tiles, num_heads, programs)
+    if walk is None:
+        walk = plan_walk(*args, SPLIT_LAST and (fits is None or fits[0] > 0), **options)
     if fits is not None and (walk.num_slots > fits[0] or walk.units.shape[0] > fits[1]):
         walk = plan_walk(*args, False, **options)
     return walk
@@ -293,21 +298,73 @@ def settled_walk(
 def split_slots(num_tokens: int, num_heads: int, programs: int) -> int:
     """The split states that the launch of a plan over `num_tokens` queries holds for its replans'
     walks (`settled_walk`): with SPLIT_ONE_ROUND, where its queries would take about one round, the
-    most a one-round walk takes (fewer than twice the programs: its split items are fewer than the
-    programs, and a program's boundary in the stream of tiles cuts one item at most), else 0."""
-    return 2 * programs if SPLIT_ONE_ROUND and num_tokens * num_heads <= programs * BLOCK_M else 0
+    most a `split_one_round` walk takes (a part a program), else 0."""
+    return programs if SPLIT_ONE_ROUND and num_tokens * num_heads <= programs * BLOCK_M else 0
+
+
+def split_one_round(counts: torch.Tensor, query_tiles: list, num_heads: int, programs: int) -> Walk | None:
+    """A walk of fewer items than programs, items split into parts at equal shares of their cost
+    (rounded to tiles; SPLIT_COST more each), a part a program, stand-ins for the programs left: while
+    a program is idle, the busiest item (by its parts' cost) takes one more where that lowers its
+    parts' cost by more than a rounded tile's and leaves them MIN_SPLIT_TILES tiles or more. None where
+    the busiest program would not end sooner than the costliest item whole, by the cost model.
+    counts, query_tiles: `plan_walk`'s. Costs tens of µs, where `plan_walk`'s split (a stream of tiles
+    cut at the programs' common end) took 0.6 ms at the engine's 2k step."""
+    full, partial = _item_tiles(counts, query_tiles, num_heads)
+    cost = full + PARTIAL_COST * partial
+    # A share of c / k spans at least c / k / PARTIAL_COST tiles, less one for its ends' rounding.
+    most = (cost // (PARTIAL_COST * (MIN_SPLIT_TILES + 1))).tolist()
+    parts, costs = [1] * cost.shape[0], cost.tolist()
+    heap = [(-c, j) for j, c in enumerate(costs)]  # each item's part cost, the busiest first
+    heapq.heapify(heap)
+    for _ in range(programs - len(parts)):
+        busiest, j = heap[0]
+        k = parts[j] + 1
+        share = costs[j] / k + SPLIT_COST
+        # A part costs at most its share and a tile's (PARTIAL_COST) for its ends' rounding.
+        if k > most[j] or share + PARTIAL_COST >= -busiest:
+            break
+        parts[j] = k
+        heapq.heapreplace(heap, (-share, j))
+    k = np.asarray(parts)
+    # Where an item as costly as the costliest is left whole, the busiest program ends no sooner.
+    if not cost.shape[0] or np.where(k > 1, cost / k + SPLIT_COST + PARTIAL_COST, cost).max() >= cost.max():
+        return None
+    order = np.argsort(-cost, kind="stable")  # the costliest items' parts first
+    k = k[order]
+    w, kw = np.repeat(order, k), np.repeat(k, k)
+    i = np.arange(w.shape[0]) - np.repeat(np.cumsum(k) - k, k)  # a part's index in its item
+    f, c = full[w], cost[w]
+
+    def cut(x):  # the tile at cost x of an item: in its full tiles, then in its partial ones
+        return np.rint(np.where(x <= f, x, f + (x - f) / PARTIAL_COST))
+
+    split = kw > 1
+    slot = np.where(split, np.cumsum(split) - 1, -1)
+    units = np.full((programs, UNIT_FIELDS), STAND_IN, dtype=np.int64)
+    units[: w.shape[0]] = np.stack(
+        [w, cut(c * i / kw), cut(c * (i + 1) / kw), slot, np.where(split, slot - i, 0), kw], 1
+    )
+    return Walk(np.arange(programs + 1), units, int(np.count_nonzero(split)))
+
+
+def _item_tiles(counts: torch.Tensor, query_tiles: list, num_heads: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each item's full and partial tiles (int64 [items] each, `_work`'s head-major numbering), from
+    `plan_walk`'s counts and query tiles."""
+    # [2, tiles, 1 or num_heads], the last query tile first; numpy's indexing, several times cheaper
+    # than torch's on these few elements (a plan's host time, every step of an engine).
+    taken = counts.numpy()[:, [t for _, t in reversed(query_tiles)]]
+    if taken.shape[2] != num_heads:
+        taken = taken.repeat(num_heads, axis=2)
+    full, partial = taken.transpose(0, 2, 1).reshape(2, -1).astype(np.int64)
+    return full, partial
 
 
 def _plan_walk(
     counts, query_tiles, num_heads, programs, dealt_rounds, split, every_program, cheapest_last
 ) -> Walk:
     """`plan_walk`'s walk, with its single round's stand-ins (`every_program`)."""
-    # [2, tiles, 1 or num_heads], the last query tile first; numpy's indexing, several times cheaper
-    # than torch's on these few elements (a plan's host time, every step of an engine).
-    taken = counts.numpy()[:, [t for _, t in reversed(query_tiles)]]
-    if taken.shape[2] != num_heads:
-        taken = taken.repeat(num_heads, axis=2)
-    full, partial = taken.transpose(0, 2, 1).reshape(2, -1).astype(np.int64)  # head-major items
+    full, partial = _item_tiles(counts, query_tiles, num_heads)
     cost = full + PARTIAL_COST * partial + ITEM_COST  # an item's, in full tiles
     num_items = cost.shape[0]
     rounds = -(-num_items // programs)

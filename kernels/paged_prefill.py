@@ -246,10 +246,9 @@ class PrefillPlan:
         self.split_slots = hopper_prefill.split_slots(q.shape[0], batch.num_heads, self.programs)
         size = 2 * self.max_tiles
         if hopper:
-            # The walk of any batch in bounds: a unit an item (or a stand-in), after the offsets, or one
-            # of a round split (fewer than one more a program); or this call's, split.
+            # The walk of any batch in bounds: a unit an item (or a stand-in), or a part an item's
+            # program (`split_one_round`), after the offsets; or this call's, split.
             units = max(self.max_tiles * batch.num_heads, self.programs)
-            units += self.programs if self.split_slots else 0
             size += self.programs + 1 + units * hopper_prefill.ROW_FIELDS
         host = torch.from_numpy(self._fill(tiles, batch.seq_lens, batch.query_starts))
         buffer = torch.empty(max(size, host.shape[0]), dtype=torch.int32, device=device)

@@ -286,31 +286,99 @@ def same_walk(a, b) -> bool:
     )
 
 
+SPLIT_MODELS = st.sampled_from([(1, 0.0), (MIN_SPLIT_TILES, SPLIT_COST)])  # (MIN_SPLIT_TILES, SPLIT_COST)
+
+
 @examples(6)
-@given(
-    problems(), st.integers(0, 40), st.booleans(), st.sampled_from([(1, 0.0), (MIN_SPLIT_TILES, SPLIT_COST)])
-)
+@given(problems(), st.integers(0, 40), st.booleans(), SPLIT_MODELS)
 def test_settled_walk_splits_only_a_lone_round_that_leaves_programs_idle(
     monkeypatch, problem, extra, one_round, split_model
 ):
     """`settled_walk` at planning: with SPLIT_ONE_ROUND, a walk of fewer items than programs is
-    `plan_walk`'s split one (which splits where the cost model ends it sooner), in fewer split states
-    than twice the programs and at most one unit more a program than items or programs (what
-    `split_slots` and a plan's buffer hold); any other walk, and every walk with the flag off, is the
-    unsplit one."""
+    `split_one_round`'s where it splits an item; any other walk, and every walk with the flag off, is
+    the unsplit one."""
     monkeypatch.setattr(hopper_prefill, "MIN_SPLIT_TILES", split_model[0])
     monkeypatch.setattr(hopper_prefill, "SPLIT_COST", split_model[1])
     options = settled_options(monkeypatch, one_round)
     counts, query_tiles, heads, programs = problem
     programs += extra
-    items = len(query_tiles) * heads
     walk = hopper_prefill.settled_walk(counts, query_tiles, heads, programs)
-    split = one_round and items < programs
-    assert same_walk(walk, plan_walk(counts, query_tiles, heads, programs, split=split, **options))
+    split = one_round and len(query_tiles) * heads < programs
+    split = split and hopper_prefill.split_one_round(counts, query_tiles, heads, programs)
+    expected = split or plan_walk(counts, query_tiles, heads, programs, split=False, **options)
+    assert same_walk(walk, expected)
     check_cover(walk, item_lists(counts, query_tiles, heads))
-    if split:
-        assert walk.num_slots < 2 * programs
-        assert walk.units.shape[0] <= max(items, programs) + programs
+
+
+def one_round_parts(cost: np.ndarray, programs: int) -> list[int] | None:
+    """`split_one_round`'s parts an item, taken one program at a time (the oracle's plain loop): the
+    busiest item (its share: cost / parts + SPLIT_COST, or its cost whole; ties to the first) takes one
+    more while a program is idle, while its parts' shares span MIN_SPLIT_TILES tiles and one more
+    lowers its share by more than a tile's rounding (PARTIAL_COST); None where an item whole or a
+    part, its rounding included, would end no sooner than the costliest item whole."""
+    min_tiles, split_cost = hopper_prefill.MIN_SPLIT_TILES, hopper_prefill.SPLIT_COST
+    parts = [1] * cost.shape[0]
+    share = lambda w: cost[w] / parts[w] + (split_cost if parts[w] > 1 else 0.0)  # noqa: E731
+    for _ in range(programs - cost.shape[0]):
+        w = max(range(cost.shape[0]), key=lambda w: (share(w), -w))
+        k = parts[w] + 1
+        if cost[w] // (PARTIAL_COST * (min_tiles + 1)) < k or cost[
+            w
+        ] / k + split_cost + PARTIAL_COST >= share(w):
+            break
+        parts[w] = k
+    ends = [cost[w] if parts[w] == 1 else share(w) + PARTIAL_COST for w in range(cost.shape[0])]
+    return parts if cost.shape[0] and max(ends) < cost.max() else None
+
+
+@examples(8)
+@given(problems(), st.integers(1, 60), SPLIT_MODELS)
+def test_split_one_round_gives_idle_programs_parts_of_the_busiest_items(
+    monkeypatch, problem, extra, split_model
+):
+    """`split_one_round`: each item's parts as the oracle's plain loop takes them (`one_round_parts`),
+    and None where it gives none; every tile of every item once, a unit a program (the items' parts,
+    then stand-ins), parts of at least MIN_SPLIT_TILES tiles, each costing at most its item's share and
+    a tile's rounding, so that the busiest program ends sooner than the costliest item whole."""
+    monkeypatch.setattr(hopper_prefill, "MIN_SPLIT_TILES", split_model[0])
+    monkeypatch.setattr(hopper_prefill, "SPLIT_COST", split_model[1])
+    counts, query_tiles, heads, _ = problem
+    lists = item_lists(counts, query_tiles, heads)
+    programs = lists.shape[0] + extra  # more programs than items
+    cost = lists[:, 0] + PARTIAL_COST * lists[:, 1]
+    walk = hopper_prefill.split_one_round(counts, query_tiles, heads, programs)
+    parts = one_round_parts(cost, programs)
+    assert (walk is None) == (parts is None)
+    if walk is None:
+        return
+    check_cover(walk, lists)
+    assert (walk.offsets == np.arange(programs + 1)).all() and walk.num_slots <= programs
+    real = walk.units[:, 0] >= 0
+    assert real[: real.sum()].all() and (walk.units[~real] == hopper_prefill.STAND_IN).all()
+    assert [walk.units[walk.units[:, 0] == w, 5][0] for w in range(lists.shape[0])] == parts
+    ends = []
+    for unit in walk.units[real]:
+        w, k = unit[0], unit[5]
+        end = unit_cost(lists, unit) + (split_model[1] if k > 1 else 0.0)
+        assert end <= ITEM_COST + cost[w] / k + (split_model[1] if k > 1 else 0.0) + PARTIAL_COST + 1e-9
+        ends.append(end)
+    assert max(ends) < ITEM_COST + cost.max()
+
+
+def test_split_one_round_at_the_engines_2k_step():
+    """The engine's prefill step over a cached 2k prompt (the Phi-3 layout, 208 queries: 64 items on an
+    H200's 132 programs): every item in two parts, the busiest program's cost by the model 0.75 of the
+    costliest item's (each part pays a unit's set-up and SPLIT_COST)."""
+    layout = reference.LocalStridedLayout(64, 16, 8)
+    lists = tile_lists.tile_lists(layout, 32, 2048, BLOCK_M, BLOCK_N, 1, "cpu", halves=True)
+    query_tiles = [(0, 14), (0, 15)]
+    walk = hopper_prefill.split_one_round(lists.counts, query_tiles, 32, 132)
+    costs = item_lists(lists.counts, query_tiles, 32)
+    check_cover(walk, costs)
+    assert walk.num_slots == 128 and (walk.units[:128, 5] == 2).all()
+    whole = max(unit_cost(costs, (w, 0, costs[w].sum())) for w in range(64))
+    split = max(unit_cost(costs, u) + SPLIT_COST for u in walk.units[:128])
+    assert split < 0.76 * whole
 
 
 @examples(6)
@@ -334,8 +402,8 @@ def test_settled_walk_at_a_replan_fits_the_launch(monkeypatch, problem, extra, s
 
 @pytest.mark.parametrize("one_round", [False, True])
 def test_split_slots_where_a_plan_takes_about_one_round(monkeypatch, one_round):
-    """`split_slots`: a launch holds a one-round walk's split states (twice its programs) when its
-    plan's queries take at most a round of query tiles on every head, with SPLIT_ONE_ROUND only."""
+    """`split_slots`: a launch holds a one-round walk's split states (a part a program) when its plan's
+    queries take at most a round of query tiles on every head, with SPLIT_ONE_ROUND only."""
     monkeypatch.setattr(hopper_prefill, "SPLIT_ONE_ROUND", one_round)
     for tokens, heads, programs in [
         (208, 32, 132),
@@ -344,6 +412,6 @@ def test_split_slots_where_a_plan_takes_about_one_round(monkeypatch, one_round):
         (2048, 8, 132),
         (1, 1, 1),
     ]:
-        expected = 2 * programs if one_round and tokens * heads <= programs * BLOCK_M else 0
+        expected = programs if one_round and tokens * heads <= programs * BLOCK_M else 0
         assert hopper_prefill.split_slots(tokens, heads, programs) == expected
-    assert hopper_prefill.split_slots(208, 32, 132) == (264 if one_round else 0)  # the engine's 2k h.9 step
+    assert hopper_prefill.split_slots(208, 32, 132) == (132 if one_round else 0)  # the engine's 2k h.9 step
