@@ -285,11 +285,11 @@ def settled_walk(
     counts, query_tiles: `plan_walk`'s."""
     args = (counts, query_tiles, num_heads, programs, BALANCED_ROUNDS if BALANCED_WALK else 0)
     options = dict(every_program=True, cheapest_last=BALANCED_WALK and CHEAPEST_LAST)
-    walk = None
-    if SPLIT_ONE_ROUND and len(query_tiles) * num_heads < programs and (fits is None or fits[0] > 0):
+    may_split, walk = fits is None or fits[0] > 0, None
+    if may_split and SPLIT_ONE_ROUND and len(query_tiles) * num_heads < programs:
         walk = split_one_round(counts, query_tiles, num_heads, programs)
     if walk is None:
-        walk = plan_walk(*args, SPLIT_LAST and (fits is None or fits[0] > 0), **options)
+        walk = plan_walk(*args, may_split and SPLIT_LAST, **options)
     if fits is not None and (walk.num_slots > fits[0] or walk.units.shape[0] > fits[1]):
         walk = plan_walk(*args, False, **options)
     return walk

@@ -321,10 +321,8 @@ def one_round_parts(cost: np.ndarray, programs: int) -> list[int] | None:
     share = lambda w: cost[w] / parts[w] + (split_cost if parts[w] > 1 else 0.0)  # noqa: E731
     for _ in range(programs - cost.shape[0]):
         w = max(range(cost.shape[0]), key=lambda w: (share(w), -w))
-        k = parts[w] + 1
-        if cost[w] // (PARTIAL_COST * (min_tiles + 1)) < k or cost[
-            w
-        ] / k + split_cost + PARTIAL_COST >= share(w):
+        k, c = parts[w] + 1, cost[w]
+        if c // (PARTIAL_COST * (min_tiles + 1)) < k or c / k + split_cost + PARTIAL_COST >= share(w):
             break
         parts[w] = k
     ends = [cost[w] if parts[w] == 1 else share(w) + PARTIAL_COST for w in range(cost.shape[0])]
