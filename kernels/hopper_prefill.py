@@ -89,12 +89,10 @@ CHEAPEST_LAST_GAIN = 0.005
 # next of them (costliest first) from a counter in global memory as it reaches its last unit, so the
 # programs that run ahead take more. A unit's own time spreads by 1-2 µs around the cost model (§26), so
 # a walk fixed at planning left the programs ending about 15 µs apart at 8k. The tail holds at least
-# DYNAMIC_TAIL_ROUNDS rounds of items. A program claims once its unit's copies are issued, its consumers
-# a few tiles from that unit's end; CLAIM_AT_START: as it starts the unit, a unit ahead, the claim's
-# round trip further off the critical path (a walk claiming every item, §17, was 1-4% slower).
+# DYNAMIC_TAIL_ROUNDS rounds of items. A claim is made a unit ahead, so its round trip is off the
+# critical path (a walk claiming every item, §17, was 1-4% slower).
 DYNAMIC_TAIL = True
 DYNAMIC_TAIL_ROUNDS = 2
-CLAIM_AT_START = False
 # Whole items end up to an item apart (at 8k with 832 queries, 224 items on 132 programs, the mean
 # program idled 17% of the kernel's span, §22). SPLIT_LAST splits the last round's items across
 # programs instead, into parts of at least MIN_SPLIT_TILES key tiles, where the cost model ends the
@@ -613,7 +611,6 @@ def launch(
         claims=claims,
         SPLIT=slots > 0,  # compiled in only for launches that may split items (its code costs, §23)
         TAIL=walk.tail > 0,
-        CLAIM_AT_START=CLAIM_AT_START and walk.tail > 0,
         timeline=planned["tiles"] if TIMELINE is None else TIMELINE,
         TIMELINE=TIMELINE is not None,
         V_CHECK_AFTER=V_CHECK_AFTER,
@@ -844,14 +841,13 @@ def _producer(
     tile_lists, stride_bt, stride_list_kind, stride_list_tile, stride_list_head, page_size, group,
     cache_rows, num_heads, walk, claims, timeline, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
     PAGE_ROWS: gl.constexpr, STAGES: gl.constexpr, DEVICE_DESCRIPTORS: gl.constexpr, TAIL: gl.constexpr,
-    CLAIM_AT_START: gl.constexpr, TIMELINE: gl.constexpr,
+    TIMELINE: gl.constexpr,
 ):  # fmt: skip
     """Copies the key tiles of the program's work items, in walk order, into the ring: the k-th tile
     goes to slot k % STAGES once both consumers have released it (`empty`), and completes on `ready`.
-    With TAIL, from its last unit on it claims the walk's tail units one at a time (`_claim`), each
-    once the unit before has its copies issued (CLAIM_AT_START: as it starts), and hands each to the
-    consumers then (`_publish`). With TIMELINE, its entry and exit times and its first copy's issue
-    (`PROGRAM_*`)."""
+    With TAIL, from its last unit on it claims the walk's tail units one at a time (`_claim`), each as
+    it starts the unit before, and hands each to the consumers once that unit's copies are issued
+    (`_publish`). With TIMELINE, its entry and exit times and its first copy's issue (`PROGRAM_*`)."""
     if TIMELINE:
         ns_entry = _clock(gl.program_id(0), True)
         first_copy = ns_entry
@@ -873,8 +869,8 @@ def _producer(
     u = gl.where(u_begin < u_end, u_begin, -1)
     while u >= 0:
         claimed = u * 0 - 1
-        if TAIL and CLAIM_AT_START:  # noqa: SIM102 (a compile-time if around a runtime one)
-            if u + 1 >= u_end:  # the program's last unit or a tail unit: the next one is claimed now
+        if TAIL:  # noqa: SIM102 (a compile-time if around a runtime one)
+            if u + 1 >= u_end:  # the program's last unit or a tail unit: the next one is claimed
                 claimed = _claim(walk, claims)
         i_b, _, i_h, p_full, p_partial, n_full, begin, end = _work(
             u, tile_lists, stride_list_kind, stride_list_tile, stride_list_head, units
@@ -911,9 +907,9 @@ def _producer(
             k += 1
         u_next = gl.where(u + 1 < u_end, u + 1, -1)
         if TAIL:  # noqa: SIM102 (a compile-time if around a runtime one)
-            if u + 1 >= u_end:  # the program's last unit or a tail unit, its copies issued
-                u_next = claimed if CLAIM_AT_START else _claim(walk, claims)
-                _publish(tail_unit, unit_ready, unit_empty, published, u_next)
+            if u + 1 >= u_end:
+                u_next = claimed
+                _publish(tail_unit, unit_ready, unit_empty, published, claimed)
                 published += 1
         u = u_next
     if TIMELINE:
@@ -1388,7 +1384,6 @@ def hopper_prefill_kernel(
     DEVICE_DESCRIPTORS: gl.constexpr,
     SPLIT: gl.constexpr,
     TAIL: gl.constexpr,
-    CLAIM_AT_START: gl.constexpr,
     TIMELINE: gl.constexpr,
     V_CHECK_AFTER: gl.constexpr,
     CONSUMER_REGISTERS: gl.constexpr,
@@ -1447,7 +1442,7 @@ def hopper_prefill_kernel(
                     k_cache, v_cache, k_smem, v_smem, ready, empty, tail_unit, unit_ready, unit_empty,
                     block_tables, tile_lists, stride_bt, stride_list_kind, stride_list_tile, stride_list_head,
                     page_size, group, cache_rows, num_heads, walk, claims, timeline, HEAD_DIM, BLOCK_N,
-                    PAGE_ROWS, STAGES, DEVICE_DESCRIPTORS, TAIL, CLAIM_AT_START, TIMELINE,
+                    PAGE_ROWS, STAGES, DEVICE_DESCRIPTORS, TAIL, TIMELINE,
                 ),
             ),
         ],

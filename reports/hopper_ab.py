@@ -60,8 +60,7 @@ PATHS = [
 # last round dealt where the cheapest items would go last (the default before the twentieth), and with
 # a lone round's items split over the programs it leaves idle (by the cost model's defaults, and with
 # parts of two tiles or more at half the set-up), and with the cheapest items dealt at planning rather
-# than claimed as a dynamic tail, or claimed with a tail of at least 1 or 4 rounds, or each claim made a
-# unit ahead
+# than claimed as a dynamic tail, or claimed with a tail of at least 1 or 4 rounds
 VARIANTS = [
     ("head_major", "kernels", True, {"BALANCED_WALK": False}),
     ("split", "kernels", True, {"SPLIT_LAST": True}),
@@ -72,7 +71,6 @@ VARIANTS = [
     ("static_tail", "kernels", True, {"DYNAMIC_TAIL": False}),
     ("tail_rounds_1", "kernels", True, {"DYNAMIC_TAIL_ROUNDS": 1}),
     ("tail_rounds_4", "kernels", True, {"DYNAMIC_TAIL_ROUNDS": 4}),
-    ("claim_at_start", "kernels", True, {"CLAIM_AT_START": True}),
     ("split_one_round", "kernels", True, {"SPLIT_ONE_ROUND": True}),
     (
         "split_one_round_fine",
