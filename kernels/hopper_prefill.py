@@ -85,14 +85,6 @@ CHEAPEST_LAST_ROUNDS = 8  # and not below: at 2k (the engine's prefill steps) it
 # ... and only where the model's busiest program ends at least this much sooner: a walk changed for
 # less (32k with 8192 queries, 0.1%) ran 1% slower in both calls of reports/gpu/kernel-ab.md §26.
 CHEAPEST_LAST_GAIN = 0.005
-# With DYNAMIC_TAIL, those cheapest items are not dealt at planning: each program's producer claims the
-# next of them (costliest first) from a counter in global memory as it reaches its last unit, so the
-# programs that run ahead take more. A unit's own time spreads by 1-2 µs around the cost model (§26), so
-# a walk fixed at planning left the programs ending about 15 µs apart at 8k. The tail holds at least
-# DYNAMIC_TAIL_ROUNDS rounds of items. A claim is made a unit ahead, so its round trip is off the
-# critical path (a walk claiming every item, §17, was 1-4% slower).
-DYNAMIC_TAIL = True
-DYNAMIC_TAIL_ROUNDS = 2
 # Whole items end up to an item apart (at 8k with 832 queries, 224 items on 132 programs, the mean
 # program idled 17% of the kernel's span, §22). SPLIT_LAST splits the last round's items across
 # programs instead, into parts of at least MIN_SPLIT_TILES key tiles, where the cost model ends the
@@ -119,10 +111,7 @@ V_CHECK_AFTER = True
 # PARTIAL_STAMPS partial tiles, and each partition with its entry and exit (reports/hopper_timeline.py).
 TIMELINE = None
 PARTIAL_STAMPS = 4
-# An item's own stamps and list lengths, and the program that took it; then each stamped partial tile's
-# end and mode.
-ITEM_FIELDS = 9
-PROGRAM_FIELD = 8
+ITEM_FIELDS = 8  # an item's own stamps and list lengths; then each stamped partial tile's end and mode
 TIMELINE_FIELDS = ITEM_FIELDS + 2 * PARTIAL_STAMPS
 # Then a row a program (`timeline_shape`), of the device's nanosecond timer: each consumer's entry and
 # exit at fields PROGRAM_CONSUMER and + 1 of its part, the producer's at PROGRAM_PRODUCER and + 1 of
@@ -150,7 +139,6 @@ LN2 = gl.constexpr(0.6931471805599453)
 TIMELINE_FIELDS_C = gl.constexpr(TIMELINE_FIELDS)
 PARTIAL_STAMPS_C = gl.constexpr(PARTIAL_STAMPS)
 ITEM_FIELDS_C = gl.constexpr(ITEM_FIELDS)
-PROGRAM_FIELD_C = gl.constexpr(PROGRAM_FIELD)
 PROGRAM_CONSUMER_C, PROGRAM_PRODUCER_C = gl.constexpr(PROGRAM_CONSUMER), gl.constexpr(PROGRAM_PRODUCER)
 PROGRAM_FIRST_COPY_C = gl.constexpr(PROGRAM_FIRST_COPY)
 
@@ -198,9 +186,7 @@ STAND_IN = (-1, 0, 0, -1, 0, 1)  # a unit of no item: no tiles, a whole item's s
 
 class Walk:
     """Which program takes what, in order: `units` int32 [num_units, UNIT_FIELDS], program p's being
-    rows offsets[p] .. offsets[p + 1] - 1 (`offsets` int32 [programs + 1]), then the last `tail` rows,
-    which no program owns: the programs claim them in order as they reach their ends (DYNAMIC_TAIL;
-    every program owns a unit then, so that each claims). A unit (w, begin, end,
+    rows offsets[p] .. offsets[p + 1] - 1 (`offsets` int32 [programs + 1]). A unit (w, begin, end,
     slot, first, parts) is item w (`_work`'s head-major numbering: head w // T, query tile
     T - 1 - w % T) over tiles begin .. end - 1 of its lists (its full tiles, then its partial ones).
     An item taken whole has slot -1; one split into `parts` units has their softmax states at slots
@@ -208,16 +194,8 @@ class Walk:
     A unit of item -1 is a program's stand-in when it has no work (`plan_walk`'s `every_program`):
     no tiles, no query rows."""
 
-    def __init__(self, offsets: np.ndarray, units: np.ndarray, num_slots: int, tail: int = 0):
+    def __init__(self, offsets: np.ndarray, units: np.ndarray, num_slots: int):
         self.offsets, self.units, self.num_slots = offsets.astype(np.int32), units.astype(np.int32), num_slots
-        self.tail = tail
-        if tail and (np.diff(self.offsets) == 0).any():
-            raise ValueError("Walk: with a tail, every program must own a unit")
-
-    @staticmethod
-    def header(programs: int) -> int:
-        """The int32s before the units' rows in `flat()`: the offsets, then the units' count."""
-        return programs + 2
 
     @property
     def programs(self) -> int:
@@ -226,23 +204,21 @@ class Walk:
     @property
     def size(self) -> int:
         """The length of `flat()`."""
-        return self.header(self.programs) + self.units.shape[0] * ROW_FIELDS
+        return self.offsets.shape[0] + self.units.shape[0] * ROW_FIELDS
 
     def flat(
         self, counts: torch.Tensor, query_tiles: list, seq_lens: list, query_starts: list, out=None
     ) -> np.ndarray:
-        """int32: the offsets, the units' count, then each unit's ROW_FIELDS (what the kernel's `walk`
-        points at; the tail is rows offsets[-1] .. count - 1), for
+        """int32: the offsets, then each unit's ROW_FIELDS (what the kernel's `walk` points at), for
         lists with these counts [2, tiles, 1 or num_heads] over these (sequence, absolute query tile)
         query tiles of sequences of these lengths and first query tokens (query_starts: [seqs + 1]);
         written into the front of `out` (int32) when given. A stand-in's row is zero but for its
         unit's fields: sequence 0, tile 0, no query rows, no tiles."""
-        programs, units, header = self.offsets.shape[0], self.units, self.header(self.programs)
-        size = self.size
+        programs, units = self.offsets.shape[0], self.units
+        size = programs + units.shape[0] * ROW_FIELDS
         flat = np.empty(size, dtype=np.int32) if out is None else out[:size]
         flat[:programs] = self.offsets
-        flat[programs] = units.shape[0]
-        rows = flat[header:].reshape(-1, ROW_FIELDS)
+        rows = flat[programs:].reshape(-1, ROW_FIELDS)
         rows[:, 4 : 4 + UNIT_FIELDS - 1] = units[:, 1:]
         # Stand-ins (item -1) follow the items' units when a single round leaves programs idle
         # (`_plan_walk`); slices, rather than a mask, cost a few µs less a plan.
@@ -278,27 +254,24 @@ def plan_walk(
     split: bool,
     every_program: bool = False,
     cheapest_last: bool = False,
-    dynamic_tail: bool = False,
 ) -> Walk:
     """The programs' work. Program p takes items p, p + programs, ... of the head-major walk, except in
     the last `dealt_rounds` rounds (0: none), where each round's costliest item goes to its
     least-loaded program. With `split`, the last round is dealt (whatever `dealt_rounds`), tile by
     tile so that the programs end together (`_deal_split`). Else, with `cheapest_last`, a walk of
     several rounds keeps its cheapest items for the end where the cost model ends it sooner so
-    (`_cheapest_last`): dealt, or with `dynamic_tail` a tail that the programs claim as they free up.
-    `counts`: the lists' counts [2, tiles, 1 or num_heads] (CPU); `query_tiles`: the (sequence,
-    absolute query tile) of each query tile. With `every_program`, a program left
+    (`_cheapest_last`). `counts`: the lists' counts [2, tiles, 1 or num_heads] (CPU); `query_tiles`:
+    the (sequence, absolute query tile) of each query tile. With `every_program`, a program left
     without work gets a stand-in unit (item -1): a launch planned for more items keeps its grid (a
     program reads its first unit's row before its loop)."""
     walk = _plan_walk(
-        counts, query_tiles, num_heads, programs, dealt_rounds, split, every_program, cheapest_last,
-        dynamic_tail,
-    )  # fmt: skip
+        counts, query_tiles, num_heads, programs, dealt_rounds, split, every_program, cheapest_last
+    )
     idle = np.nonzero(np.diff(walk.offsets) == 0)[0] if every_program else ()
     if len(idle):  # a split last round (a single round takes the stand-ins in `_plan_walk`)
         units = np.insert(walk.units, walk.offsets[idle], STAND_IN, axis=0)
         offsets = walk.offsets + np.concatenate([[0], np.cumsum(np.diff(walk.offsets) == 0)])
-        walk = Walk(offsets, units, walk.num_slots, walk.tail)
+        walk = Walk(offsets, units, walk.num_slots)
     return walk
 
 
@@ -311,10 +284,7 @@ def settled_walk(
     launch and buffer hold; a split walk that needs more is taken unsplit (which they always hold).
     counts, query_tiles: `plan_walk`'s."""
     args = (counts, query_tiles, num_heads, programs, BALANCED_ROUNDS if BALANCED_WALK else 0)
-    cheapest_last = BALANCED_WALK and CHEAPEST_LAST
-    # A replan keeps its launch, compiled for the walk it was planned with: its walk claims no tail.
-    dynamic_tail = cheapest_last and DYNAMIC_TAIL and fits is None
-    options = dict(every_program=True, cheapest_last=cheapest_last, dynamic_tail=dynamic_tail)
+    options = dict(every_program=True, cheapest_last=BALANCED_WALK and CHEAPEST_LAST)
     may_split, walk = fits is None or fits[0] > 0, None
     if may_split and SPLIT_ONE_ROUND and len(query_tiles) * num_heads < programs:
         walk = split_one_round(counts, query_tiles, num_heads, programs)
@@ -391,7 +361,7 @@ def _item_tiles(counts: torch.Tensor, query_tiles: list, num_heads: int) -> tupl
 
 
 def _plan_walk(
-    counts, query_tiles, num_heads, programs, dealt_rounds, split, every_program, cheapest_last, dynamic_tail
+    counts, query_tiles, num_heads, programs, dealt_rounds, split, every_program, cheapest_last
 ) -> Walk:
     """`plan_walk`'s walk, with its single round's stand-ins (`every_program`)."""
     full, partial = _item_tiles(counts, query_tiles, num_heads)
@@ -432,38 +402,33 @@ def _plan_walk(
             split_units, num_slots = [], 0
     # The rounds' units, program by program, then each program's units of a split last round.
     program, w = np.nonzero(taken.T >= 0)[0], taken.T[taken.T >= 0]
-    tail = 0
     if cheapest_last and not split_units and rounds >= CHEAPEST_LAST_ROUNDS:
-        cheap = _cheapest_last(cost, programs, DYNAMIC_TAIL_ROUNDS if dynamic_tail else 0)
+        cheap = _cheapest_last(cost, programs)
         if cheap is not None and cheap[2].max() < loads.max() * (1 - CHEAPEST_LAST_GAIN):
-            program, w = cheap[:2]
-            if dynamic_tail:  # the tail's items after every program's own, claimed in this order
-                tail = w.shape[0] - cheap[3]
-                program = np.concatenate([program[: cheap[3]], np.full(tail, programs)])
+            program, w, _ = cheap
     units = np.stack([w, np.zeros_like(w), full[w] + partial[w], np.full_like(w, -1), 0 * w, 1 + 0 * w], 1)
     if split_units:
         program = np.concatenate([program, [p for p, _ in split_units]])
         units = np.concatenate([units, np.array([u for _, u in split_units], dtype=np.int64)])
     order = np.argsort(program, kind="stable")
-    offsets = np.concatenate([[0], np.cumsum(np.bincount(program, minlength=programs)[:programs])])
-    return Walk(offsets, units[order], num_slots, tail)
+    offsets = np.concatenate([[0], np.cumsum(np.bincount(program, minlength=programs))])
+    return Walk(offsets, units[order], num_slots)
 
 
-def _cheapest_last(cost: np.ndarray, programs: int, min_rounds: int = 0) -> tuple | None:
+def _cheapest_last(cost: np.ndarray, programs: int) -> tuple | None:
     """`plan_walk`'s walk with the cheapest items last, as (program, item) pairs in each program's
-    order, the programs' loads, by the items' costs (head-major numbering), and how many pairs come
-    before the cheapest items: the other items in head-major rounds (program p takes the p-th of each
-    round), then the cheapest ones, costliest first, each to the program least loaded so far. The
-    cheapest items are the fewest, past whole rounds and at least `min_rounds` of them, that can fill
-    every program up to the most loaded one; None when that takes more than a quarter of the rounds."""
+    order and the programs' loads, by the items' costs (head-major numbering): the other items in
+    head-major rounds (program p takes the p-th of each round), then the cheapest ones, costliest
+    first, each to the program least loaded so far. The cheapest items are the fewest, past whole
+    rounds, that can fill every program up to the most loaded one; None when that takes more than a
+    quarter of the rounds."""
     num_items = cost.shape[0]
     order = np.argsort(cost, kind="stable")  # the cheapest first
     level = cost.sum() / programs  # the programs' mean load at the end
     kept = np.ones(num_items, dtype=bool)
     # At most a quarter of the rounds (the fill needed 1 of 15 at 8k, 5 of 62 at 32k, 11 of 248 at 128k).
     rounds = num_items // programs
-    first = num_items % programs + min(min_rounds, rounds // 4) * programs
-    for last in range(first, num_items % programs + (rounds // 4 + 1) * programs, programs):
+    for last in range(num_items % programs, num_items % programs + (rounds // 4 + 1) * programs, programs):
         kept[order[:last]] = False
         rest = np.nonzero(kept)[0]
         loads = cost[rest].reshape(-1, programs).sum(0)
@@ -482,7 +447,7 @@ def _cheapest_last(cost: np.ndarray, programs: int, min_rounds: int = 0) -> tupl
     for load, p in heap:
         loads[p] = load
     program = np.concatenate([np.tile(np.arange(programs), rest.shape[0] // programs), takers])
-    return program.astype(np.int64), np.concatenate([rest, tail]), loads, rest.shape[0]
+    return program.astype(np.int64), np.concatenate([rest, tail]), loads
 
 
 def _deal_split(items, cost, full, partial, loads) -> tuple:
@@ -590,10 +555,6 @@ def launch(
         split_done = torch.zeros(slots * 2, dtype=torch.int32, device=device)
     else:  # unread (SPLIT off): no allocation, no fill launch a plan
         split_state, split_done = _unread_split_buffers(device)
-    # The tail's claim counter, which the launch's last claim sets back to 0 (and so the next launch's).
-    claims = (
-        torch.zeros(1, dtype=torch.int32, device=device) if walk.tail else _unread_split_buffers(device)[1]
-    )
     return BoundLaunch(
         hopper_prefill_kernel,
         (walk.offsets.shape[0] - 1,),
@@ -608,9 +569,7 @@ def launch(
         walk=planned["tiles"][2 * num_tiles :],
         split_state=split_state,
         split_done=split_done,
-        claims=claims,
         SPLIT=slots > 0,  # compiled in only for launches that may split items (its code costs, §23)
-        TAIL=walk.tail > 0,
         timeline=planned["tiles"] if TIMELINE is None else TIMELINE,
         TIMELINE=TIMELINE is not None,
         V_CHECK_AFTER=V_CHECK_AFTER,
@@ -749,9 +708,9 @@ def _stamp(p_stamp, x, GLOBAL: gl.constexpr = False):
 @gluon.jit
 def _program_stamps(timeline, walk, ns_entry, field: gl.constexpr, CONSUMER: gl.constexpr):
     """A partition's entry time (`_clock`, taken at its start) and its exit time (now), at its
-    program's row of the timeline (after the units' rows, the tail's too): fields field and
+    program's row of the timeline (after the units' rows: the walk's last offset): fields field and
     field + 1 of consumer CONSUMER's part."""
-    num_units = gl.load(walk + gl.num_programs(0) + 1)
+    num_units = gl.load(walk + gl.num_programs(0))
     row = (num_units + gl.program_id(0)) * 2 + CONSUMER
     p_stamp = timeline + row.to(gl.int64) * TIMELINE_FIELDS_C + field
     gl.store(p_stamp, ns_entry)
@@ -784,44 +743,8 @@ def _units(walk):
     return (
         gl.load(walk + gl.program_id(0)),
         gl.load(walk + gl.program_id(0) + 1),
-        walk + gl.num_programs(0) + 2,
+        walk + gl.num_programs(0) + 1,
     )
-
-
-@gluon.jit
-def _claim(walk, claims):
-    """The next unit of the walk's tail (rows from the last offset to the units' count) for this
-    program, or -1 when none is left; the launch's last claim (each program's last one finds none)
-    sets the counter back to 0 for the next launch."""
-    tail_begin = gl.load(walk + gl.num_programs(0))
-    tail = gl.load(walk + gl.num_programs(0) + 1) - tail_begin
-    c = gl.atomic_add(claims, 1, sem="relaxed", scope="gpu")
-    if c == tail + gl.num_programs(0) - 1:
-        gl.store(claims, 0)
-    return gl.where(c < tail, tail_begin + c, -1)
-
-
-@gluon.jit
-def _publish(tail_unit, unit_ready, unit_empty, j, u):
-    """The producer's j-th claimed unit u (-1: none) to the consumers, through slot j % 2."""
-    s = j % 2
-    mbarrier.wait(unit_empty.index(s), ((j // 2) & 1) ^ 1)  # a fresh barrier's first wait passes
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    tail_unit.index(s).store(gl.zeros([1], gl.int32, layout) + u)
-    gl.thread_barrier()  # the slot written before the arrive says so
-    mbarrier.arrive(unit_ready.index(s), count=1)
-
-
-@gluon.jit
-def _received(tail_unit, unit_ready, unit_empty, j):
-    """The j-th unit the producer claimed for the program (-1: none left), its slot then released."""
-    s = j % 2
-    mbarrier.wait(unit_ready.index(s), (j // 2) & 1)
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    u = gl.max(tail_unit.index(s).load(layout), 0)
-    gl.thread_barrier()  # every thread has read the slot before it is released
-    async_copy.mbarrier_arrive(unit_empty.index(s), increment_count=False)  # every consumer thread
-    return u
 
 
 @gluon.jit
@@ -837,17 +760,14 @@ def _page_rows(n, p_bt, seq_len, page_size, cache_rows, pred, o_box, PAGE_ROWS: 
 
 @gluon.jit
 def _producer(
-    k_cache, v_cache, k_smem, v_smem, ready, empty, tail_unit, unit_ready, unit_empty, block_tables,
-    tile_lists, stride_bt, stride_list_kind, stride_list_tile, stride_list_head, page_size, group,
-    cache_rows, num_heads, walk, claims, timeline, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-    PAGE_ROWS: gl.constexpr, STAGES: gl.constexpr, DEVICE_DESCRIPTORS: gl.constexpr, TAIL: gl.constexpr,
-    TIMELINE: gl.constexpr,
+    k_cache, v_cache, k_smem, v_smem, ready, empty, block_tables, tile_lists, stride_bt, stride_list_kind,
+    stride_list_tile, stride_list_head, page_size, group, cache_rows, num_heads, walk, timeline,
+    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, PAGE_ROWS: gl.constexpr, STAGES: gl.constexpr,
+    DEVICE_DESCRIPTORS: gl.constexpr, TIMELINE: gl.constexpr,
 ):  # fmt: skip
     """Copies the key tiles of the program's work items, in walk order, into the ring: the k-th tile
     goes to slot k % STAGES once both consumers have released it (`empty`), and completes on `ready`.
-    With TAIL, from its last unit on it claims the walk's tail units one at a time (`_claim`), each as
-    it starts the unit before, and hands each to the consumers once that unit's copies are issued
-    (`_publish`). With TIMELINE, its entry and exit times and its first copy's issue (`PROGRAM_*`)."""
+    With TIMELINE, its entry and exit times and its first copy's issue (`PROGRAM_*`)."""
     if TIMELINE:
         ns_entry = _clock(gl.program_id(0), True)
         first_copy = ns_entry
@@ -865,13 +785,7 @@ def _producer(
     o_box = gl.arange(0, BOXES, layout=box_layout)
     k = 0
     u_begin, u_end, units = _units(walk)
-    published = u_begin * 0  # tail units claimed and handed to the consumers
-    u = gl.where(u_begin < u_end, u_begin, -1)
-    while u >= 0:
-        claimed = u * 0 - 1
-        if TAIL:  # noqa: SIM102 (a compile-time if around a runtime one)
-            if u + 1 >= u_end:  # the program's last unit or a tail unit: the next one is claimed
-                claimed = _claim(walk, claims)
+    for u in range(u_begin, u_end):
         i_b, _, i_h, p_full, p_partial, n_full, begin, end = _work(
             u, tile_lists, stride_list_kind, stride_list_tile, stride_list_head, units
         )
@@ -905,13 +819,6 @@ def _producer(
                     first_copy = _clock(k, True)
             rows = rows_next
             k += 1
-        u_next = gl.where(u + 1 < u_end, u + 1, -1)
-        if TAIL:  # noqa: SIM102 (a compile-time if around a runtime one)
-            if u + 1 >= u_end:
-                u_next = claimed
-                _publish(tail_unit, unit_ready, unit_empty, published, claimed)
-                published += 1
-        u = u_next
     if TIMELINE:
         p_stamp = _program_stamps(timeline, walk, ns_entry, PROGRAM_PRODUCER_C, 0)
         gl.store(p_stamp + PROGRAM_FIRST_COPY_C - PROGRAM_PRODUCER_C, first_copy)
@@ -1116,20 +1023,19 @@ def _query_rows(
 
 @gluon.jit
 def _consumer(
-    q, out, lse, k_smem, v_smem, q_smem, v_own_smem, ready, empty, tail_unit, unit_ready, unit_empty,
-    stride_qt, stride_qh, qk_scale, tile_lists, block_mask, stride_list_kind, stride_list_tile,
-    stride_list_head, stride_mask_head, num_blocks, sparse_block, num_heads, walk, split_state, split_done,
-    timeline, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, LAYOUT_MASK: gl.constexpr, CONSUMER: gl.constexpr,
-    SPLIT: gl.constexpr, TAIL: gl.constexpr, TIMELINE: gl.constexpr, V_CHECK_AFTER: gl.constexpr,
+    q, out, lse, k_smem, v_smem, q_smem, v_own_smem, ready, empty, stride_qt, stride_qh, qk_scale,
+    tile_lists, block_mask, stride_list_kind, stride_list_tile, stride_list_head, stride_mask_head,
+    num_blocks, sparse_block, num_heads, walk, split_state, split_done, timeline, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, LAYOUT_MASK: gl.constexpr, CONSUMER: gl.constexpr, SPLIT: gl.constexpr,
+    TIMELINE: gl.constexpr, V_CHECK_AFTER: gl.constexpr,
 ):  # fmt: skip
     """Rows CONSUMER * ROWS .. + ROWS - 1 of each of the program's units: the walk over the shared ring
     (the full tiles unmasked, then the partial ones as their entries' modes say), then the outputs, or
-    for a part of a split item its softmax state, merged by the last part to end (`_merge`). With TAIL,
-    the units after the program's own are those the producer claims (`_received`). With TIMELINE, a
-    unit's stamps: its start on both clocks, the cycle counter after its full tiles, after its partial
-    tiles and once its stores are issued, the nanosecond timer then, its tiles' counts, the program,
-    then the cycle counter after each of its first PARTIAL_STAMPS partial tiles and those tiles' modes;
-    and its entry and exit times (`PROGRAM_CONSUMER`)."""
+    for a part of a split item its softmax state, merged by the last part to end (`_merge`). With
+    TIMELINE, a unit's stamps: its start on both clocks, the cycle counter after its full tiles,
+    after its partial tiles and once its stores are issued, the nanosecond timer then, its tiles'
+    counts, then the cycle counter after each of its first PARTIAL_STAMPS partial tiles and those
+    tiles' modes; and its entry and exit times (`PROGRAM_CONSUMER`)."""
     if TIMELINE:
         ns_entry = _clock(gl.program_id(0), True)
     ROWS: gl.constexpr = q_smem.type.shape[1]
@@ -1153,15 +1059,13 @@ def _consumer(
 
     # The first unit and its Q [ROWS, HEAD_DIM] (rows outside the queries zero); each unit loads the
     # next one's scalars and Q during its epilogue.
-    u = gl.where(u_begin < u_end, u_begin, -1)
-    item = _item(gl.maximum(u, 0), *item_args)
+    item = _item(gl.minimum(u_begin, u_end - 1), *item_args)
     i_qt, i_h, p_full, p_partial, n_full, begin, end, split, q_begin, context, seq_len = item
     _, m_m_io, o_tok_io = _query_rows(i_qt, q_begin, context, seq_len, CONSUMER, ROWS, row_io)
     p_q = q + o_tok_io[:, None] * stride_qt + i_h * stride_qh + o_d_io[None, :]
     b_q = gl.load(p_q, mask=m_m_io[:, None], other=0.0)
     k = 0
-    received = u_begin * 0  # tail units received
-    while u >= 0:
+    for u in range(u_begin, u_end):
         p_stamp = timeline + (u * 2 + CONSUMER).to(gl.int64) * TIMELINE_FIELDS_C
         f_begin, f_end = gl.minimum(begin, n_full), gl.minimum(end, n_full)
         t_begin, t_end = gl.maximum(begin, n_full) - n_full, gl.maximum(end, n_full) - n_full
@@ -1170,7 +1074,6 @@ def _consumer(
             _stamp(p_stamp + 1, u)
             gl.store(p_stamp + 6, (f_end - f_begin).to(gl.int64))
             gl.store(p_stamp + 7, (end - begin).to(gl.int64))
-            gl.store(p_stamp + PROGRAM_FIELD_C, gl.program_id(0).to(gl.int64))
         # Every warp of the group is past the previous unit's last product (a wait covers the group).
         q_buf.store(b_q)
         fence_async_shared()
@@ -1232,16 +1135,12 @@ def _consumer(
             _stamp(p_stamp + 3, k)
 
         # The next unit's scalars and Q, loading during this one's epilogue.
-        u_next = gl.where(u + 1 < u_end, u + 1, -1)
-        if TAIL:  # noqa: SIM102 (a compile-time if around a runtime one)
-            if u + 1 >= u_end:
-                u_next = _received(tail_unit, unit_ready, unit_empty, received)
-                received += 1
-        item = _item(gl.where(u_next >= 0, u_next, u), *item_args)
+        u_next = u + 1
+        item = _item(gl.minimum(u_next, u_end - 1), *item_args)
         n_qt, n_h, _, _, _, _, _, _, n_q_begin, n_context, n_seq_len = item
         _, m_next, tok_next = _query_rows(n_qt, n_q_begin, n_context, n_seq_len, CONSUMER, ROWS, row_io)
         p_q = q + tok_next[:, None] * stride_qt + n_h * stride_qh + o_d_io[None, :]
-        b_q = gl.load(p_q, mask=(m_next & (u_next >= 0))[:, None], other=0.0)
+        b_q = gl.load(p_q, mask=(m_next & (u_next < u_end))[:, None], other=0.0)
 
         b_l = gl.convert_layout(b_l, row_o)
         b_m = gl.convert_layout(b_m, row_o)
@@ -1282,7 +1181,6 @@ def _consumer(
             _stamp(p_stamp + 4, k)
             _stamp(p_stamp + 5, k, True)
         i_qt, i_h, p_full, p_partial, n_full, begin, end, split, q_begin, context, seq_len = item
-        u = u_next
     if TIMELINE:
         _program_stamps(timeline, walk, ns_entry, PROGRAM_CONSUMER_C, CONSUMER)
 
@@ -1373,7 +1271,6 @@ def hopper_prefill_kernel(
     walk,
     split_state,
     split_done,
-    claims,
     timeline,
     HEAD_DIM: gl.constexpr,
     BLOCK_M: gl.constexpr,
@@ -1383,7 +1280,6 @@ def hopper_prefill_kernel(
     LAYOUT_MASK: gl.constexpr,
     DEVICE_DESCRIPTORS: gl.constexpr,
     SPLIT: gl.constexpr,
-    TAIL: gl.constexpr,
     TIMELINE: gl.constexpr,
     V_CHECK_AFTER: gl.constexpr,
     CONSUMER_REGISTERS: gl.constexpr,
@@ -1403,14 +1299,6 @@ def hopper_prefill_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2 * CONSUMER_THREADS)  # every consumer thread arrives
-    # Two slots of the tail units the producer claims (TAIL), each with its own pair of barriers.
-    tail_unit = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    unit_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    unit_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    if TAIL:
-        for i in gl.static_range(2):
-            mbarrier.init(unit_ready.index(i), count=1)
-            mbarrier.init(unit_empty.index(i), count=2 * CONSUMER_THREADS)
     fence_async_shared()  # the barriers' initialization, before TMA signals them
 
     # The default partition (the launch's 4 warps) is the first consumer.
@@ -1419,30 +1307,28 @@ def hopper_prefill_kernel(
             (
                 _consumer,
                 (
-                    q, out, lse, k_smem, v_smem, q_smem, v_own_smem, ready, empty, tail_unit, unit_ready,
-                    unit_empty, stride_qt, stride_qh, qk_scale, tile_lists, block_mask, stride_list_kind,
-                    stride_list_tile, stride_list_head, stride_mask_head, num_blocks, sparse_block, num_heads,
-                    walk, split_state, split_done, timeline, BLOCK_N, STAGES, LAYOUT_MASK, 0, SPLIT, TAIL,
-                    TIMELINE, V_CHECK_AFTER,
+                    q, out, lse, k_smem, v_smem, q_smem, v_own_smem, ready, empty, stride_qt, stride_qh,
+                    qk_scale, tile_lists, block_mask, stride_list_kind, stride_list_tile, stride_list_head,
+                    stride_mask_head, num_blocks, sparse_block, num_heads, walk, split_state, split_done,
+                    timeline, BLOCK_N, STAGES, LAYOUT_MASK, 0, SPLIT, TIMELINE, V_CHECK_AFTER,
                 ),
             ),
             (
                 _consumer,
                 (
-                    q, out, lse, k_smem, v_smem, q_smem, v_own_smem, ready, empty, tail_unit, unit_ready,
-                    unit_empty, stride_qt, stride_qh, qk_scale, tile_lists, block_mask, stride_list_kind,
-                    stride_list_tile, stride_list_head, stride_mask_head, num_blocks, sparse_block, num_heads,
-                    walk, split_state, split_done, timeline, BLOCK_N, STAGES, LAYOUT_MASK, 1, SPLIT, TAIL,
-                    TIMELINE, V_CHECK_AFTER,
+                    q, out, lse, k_smem, v_smem, q_smem, v_own_smem, ready, empty, stride_qt, stride_qh,
+                    qk_scale, tile_lists, block_mask, stride_list_kind, stride_list_tile, stride_list_head,
+                    stride_mask_head, num_blocks, sparse_block, num_heads, walk, split_state, split_done,
+                    timeline, BLOCK_N, STAGES, LAYOUT_MASK, 1, SPLIT, TIMELINE, V_CHECK_AFTER,
                 ),
             ),
             (
                 _producer,
                 (
-                    k_cache, v_cache, k_smem, v_smem, ready, empty, tail_unit, unit_ready, unit_empty,
-                    block_tables, tile_lists, stride_bt, stride_list_kind, stride_list_tile, stride_list_head,
-                    page_size, group, cache_rows, num_heads, walk, claims, timeline, HEAD_DIM, BLOCK_N,
-                    PAGE_ROWS, STAGES, DEVICE_DESCRIPTORS, TAIL, TIMELINE,
+                    k_cache, v_cache, k_smem, v_smem, ready, empty, block_tables, tile_lists, stride_bt,
+                    stride_list_kind, stride_list_tile, stride_list_head, page_size, group, cache_rows,
+                    num_heads, walk, timeline, HEAD_DIM, BLOCK_N, PAGE_ROWS, STAGES, DEVICE_DESCRIPTORS,
+                    TIMELINE,
                 ),
             ),
         ],

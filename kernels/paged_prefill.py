@@ -249,7 +249,7 @@ class PrefillPlan:
             # The walk of any batch in bounds: a unit an item (or a stand-in), or a part an item's
             # program (`split_one_round`), after the offsets; or this call's, split.
             units = max(self.max_tiles * batch.num_heads, self.programs)
-            size += hopper_prefill.Walk.header(self.programs) + units * hopper_prefill.ROW_FIELDS
+            size += self.programs + 1 + units * hopper_prefill.ROW_FIELDS
         host = torch.from_numpy(self._fill(tiles, batch.seq_lens, batch.query_starts))
         buffer = torch.empty(max(size, host.shape[0]), dtype=torch.int32, device=device)
         buffer[: host.shape[0]].copy_(host.pin_memory() if device.type == "cuda" else host, non_blocking=True)
@@ -294,11 +294,7 @@ class PrefillPlan:
         if self.programs:
             fits = None  # at planning: the launch is made for the walk
             if self.walk is not None:  # a replan's walk fits the launch and the buffer
-                room = (
-                    self.planned["tiles"].shape[0]
-                    - 2 * self.max_tiles
-                    - hopper_prefill.Walk.header(self.programs)
-                )
+                room = self.planned["tiles"].shape[0] - 2 * self.max_tiles - self.programs - 1
                 fits = (self.split_slots, room // hopper_prefill.ROW_FIELDS)
             self.walk = hopper_prefill.settled_walk(
                 self.lists.counts, tiles, self.grid[1], self.programs, fits

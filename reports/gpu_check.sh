@@ -21,8 +21,8 @@
 #                                             deliberately broken (keyed without pointer alignment):
 #                                             its test must fail
 #   bash reports/gpu_check.sh OUT_DIR hopper   the Hopper path's tests (tests/kernels/test_hopper_prefill.py),
-#                                             once more with each of its parts broken (each must
-#                                             fail; HOPPER_BREAKS="NAME ...": those only, as all at
+#                                             once more with each of thirteen parts broken (each must
+#                                             fail; HOPPER_BREAKS="NAME ...": those only, as 13 at
 #                                             once outrun the tests' cap), its same-process A/B against the Triton kernel
 #                                             (reports/hopper_ab.py; HOPPER_AB_ARGS="--variants
 #                                             --previous .ab" adds its variants and the previous
@@ -116,10 +116,7 @@ case $part in
     #   balanced walk's cases);
     # - cheapest-last: the walk with the cheapest items last takes its first tail item twice and its last
     #   one never (the cheapest-last walk's case);
-    # - check-after: V_CHECK_AFTER never finds its product non-finite (the non-finite V cases);
-    # - tail-reset: the launch's last claim of the dynamic tail leaves the counter as it is (the second
-    #   run of a plan finds the tail taken);
-    # - tail-claim: each odd claim of the dynamic tail takes the item before it (the tail's cases).
+    # - check-after: V_CHECK_AFTER never finds its product non-finite (the non-finite V cases).
     names=()
     while IFS='|' read -r name edit left tests; do
       # HOPPER_BREAKS: only the breaks it names (default: every one)
@@ -145,8 +142,6 @@ cheapest-last|s/np.concatenate(\[rest, tail\])/np.concatenate([rest, tail[:-1], 
 split-merge|s/gl.load(p_l) \* b_beta/gl.load(p_l) * b_alpha/|gl.load(p_l) * b_alpha|split
 split-reset|s/gl.store(p_done, 0)  # for the next launch/pass  # no reset/|pass  # no reset|split
 check-after|s/gl.sum(b_pv \* 0.0, 1) != 0.0/gl.sum(b_pv * 0.0, 1) > 0.0/|gl.sum(b_pv * 0.0, 1) > 0.0|v_cache and not v_checked_first
-tail-reset|s/        gl.store(claims, 0)/        pass  # no reset/|pass  # no reset|dynamic
-tail-claim|s/gl.where(c < tail, tail_begin + c, -1)/gl.where(c < tail, tail_begin + c \/\/ 2 * 2, -1)/|tail_begin + c // 2 * 2|dynamic
 BREAKS
     wait
     tail -n 3 "$out/tests.log" >> "$out/summary.txt"

@@ -59,8 +59,7 @@ PATHS = [
 # with the descriptors each program makes (the default before the nineteenth session), and with the
 # last round dealt where the cheapest items would go last (the default before the twentieth), and with
 # a lone round's items split over the programs it leaves idle (by the cost model's defaults, and with
-# parts of two tiles or more at half the set-up), and with the cheapest items dealt at planning rather
-# than claimed as a dynamic tail, or claimed with a tail of at least 1 or 4 rounds
+# parts of two tiles or more at half the set-up)
 VARIANTS = [
     ("head_major", "kernels", True, {"BALANCED_WALK": False}),
     ("split", "kernels", True, {"SPLIT_LAST": True}),
@@ -68,9 +67,6 @@ VARIANTS = [
     ("v_checked_first", "kernels", True, {"V_CHECK_AFTER": False}),
     ("device_descriptors", "kernels", True, {"DEVICE_DESCRIPTORS": True}),
     ("dealt_last", "kernels", True, {"CHEAPEST_LAST": False}),
-    ("static_tail", "kernels", True, {"DYNAMIC_TAIL": False}),
-    ("tail_rounds_1", "kernels", True, {"DYNAMIC_TAIL_ROUNDS": 1}),
-    ("tail_rounds_4", "kernels", True, {"DYNAMIC_TAIL_ROUNDS": 4}),
     ("split_one_round", "kernels", True, {"SPLIT_ONE_ROUND": True}),
     (
         "split_one_round_fine",

@@ -32,9 +32,7 @@ ROWS = [
 ]
 L2_FLUSH_BYTES = 256 * 2**20  # do_bench's
 # The stamps' fields (TIMELINE_FIELDS of them an item).
-NS_START, START, AFTER_FULL, AFTER_PARTIAL, END, NS_END, N_FULL, COUNT, PROGRAM = range(
-    hopper_prefill.ITEM_FIELDS
-)
+NS_START, START, AFTER_FULL, AFTER_PARTIAL, END, NS_END, N_FULL, COUNT = range(hopper_prefill.ITEM_FIELDS)
 # Then a field a stamped partial tile: its end, and after those its mode.
 PARTIAL_END = hopper_prefill.ITEM_FIELDS
 PARTIAL_MODE = PARTIAL_END + hopper_prefill.PARTIAL_STAMPS
@@ -66,19 +64,16 @@ def stamps(prefill, p, cold: bool = False) -> tuple[torch.Tensor, torch.Tensor, 
     out = plan.run(p.q, p.k, p.v)
     torch.cuda.synchronize()
     units = walk.units.shape[0]
-    return by_program(buffer[:units].cpu(), walk.programs), buffer[units:].cpu(), out
+    return by_program(buffer[:units].cpu(), walk.offsets), buffer[units:].cpu(), out
 
 
-def by_program(units: torch.Tensor, programs: int) -> torch.Tensor:
-    """The stamps of a walk's units [units, 2, fields] as [programs, 2, rounds, fields]: each program's
-    units (by the program each stamped) in row order, which is the order it took them (its own, then
-    the tail's it claimed, in rising rows), then zeros."""
-    program = units[:, 0, PROGRAM].long()
-    counts = torch.bincount(program, minlength=programs)
-    t = torch.zeros(programs, int(counts.max()), *units.shape[1:], dtype=units.dtype)
-    order = torch.argsort(program, stable=True)
-    rank = torch.empty_like(program)
-    rank[order] = torch.arange(program.shape[0]) - (torch.cumsum(counts, 0) - counts)[program[order]]
+def by_program(units: torch.Tensor, offsets) -> torch.Tensor:
+    """The stamps of a walk's units [units, 2, fields] as [programs, 2, rounds, fields]: program p's
+    units offsets[p] .. offsets[p + 1] - 1 in order, then zeros."""
+    counts = torch.from_numpy(offsets).diff().long()
+    t = torch.zeros(counts.shape[0], int(counts.max()), *units.shape[1:], dtype=units.dtype)
+    program = torch.repeat_interleave(torch.arange(counts.shape[0]), counts)
+    rank = torch.arange(units.shape[0]) - torch.from_numpy(offsets[:-1]).long()[program]
     t[program, rank] = units
     return t.transpose(1, 2)
 

@@ -1,8 +1,7 @@
 """The Hopper prefill's walk (kernels/hopper_prefill.plan_walk): every tile of every item taken exactly
 once, by units whose split items' slots are their own; the rounds before the dealt ones in head-major
 order; a round dealt whole gives its costliest item to its least-loaded program; a split last round
-evens the programs' ends; the cheapest items walked last end the busiest program sooner, or are left
-as a tail that the programs claim costliest first. It is a
+evens the programs' ends; the cheapest items walked last end the busiest program sooner. It is a
 schedule, so the kernel's outputs do not depend on it: the GPU tests of
 tests/kernels/test_hopper_prefill.py judge those against the oracle, on walks with split items."""
 
@@ -67,8 +66,7 @@ def program_units(walk):
 def check_cover(walk, lists):
     """Every item's tiles exactly once, in order, by one whole unit or by parts of at least
     MIN_SPLIT_TILES tiles on their own slots, each split item's slots consecutive and its own."""
-    assert walk.units.dtype == np.int32 and walk.offsets[0] == 0
-    assert walk.offsets[-1] + walk.tail == walk.units.shape[0]
+    assert walk.units.dtype == np.int32 and walk.offsets[0] == 0 and walk.offsets[-1] == walk.units.shape[0]
     assert (np.diff(walk.offsets) >= 0).all()
     slots = []
     for w in range(lists.shape[0]):
@@ -89,15 +87,11 @@ def check_cover(walk, lists):
 
 
 @examples(6)
-@given(problems(), st.sampled_from([0, 1, 2, 10**6]), st.booleans(), st.sampled_from([None, False, True]))
-def test_walk_takes_every_tile_once(monkeypatch, problem, dealt_rounds, split, tail):
-    """cheapest_last off (None), on with the cheapest items dealt (False) or claimed (True)."""
+@given(problems(), st.sampled_from([0, 1, 2, 10**6]), st.booleans(), st.booleans())
+def test_walk_takes_every_tile_once(monkeypatch, problem, dealt_rounds, split, cheapest_last):
     monkeypatch.setattr(hopper_prefill, "CHEAPEST_LAST_ROUNDS", 2)  # walks this small take it too
     counts, query_tiles, heads, programs = problem
-    walk = plan_walk(
-        counts, query_tiles, heads, programs, dealt_rounds, split, cheapest_last=tail is not None,
-        dynamic_tail=bool(tail),
-    )  # fmt: skip
+    walk = plan_walk(counts, query_tiles, heads, programs, dealt_rounds, split, cheapest_last=cheapest_last)
     check_cover(walk, item_lists(counts, query_tiles, heads))
     assert walk.offsets.shape[0] == programs + 1
 
@@ -122,8 +116,8 @@ def test_walk_for_every_program_gives_an_idle_program_one_stand_in(problem, extr
             assert after.tolist() == [[-1, 0, 0, -1, 0, 1]]
     seqs = max((b for b, _ in query_tiles), default=0) + 1
     flat = walk.flat(counts, query_tiles, [900] * seqs, list(range(0, 10 * seqs + 1, 10)))
-    rows = flat[hopper_prefill.Walk.header(programs) :].reshape(-1, hopper_prefill.ROW_FIELDS)
-    assert (flat[: programs + 1] == walk.offsets).all() and flat[programs + 1] == walk.units.shape[0]
+    rows = flat[programs + 1 :].reshape(-1, hopper_prefill.ROW_FIELDS)
+    assert (flat[: programs + 1] == walk.offsets).all()
     assert (rows[walk.units[:, 0] < 0] == [0, 0, 0, 0, 0, 0, -1, 0, 1, 0, 0, 0]).all()
     assert (rows[walk.units[:, 0] >= 0, 11] == 900).all()
 
@@ -208,42 +202,6 @@ def test_walk_cheapest_last_ends_sooner_by_the_cost_model(monkeypatch, problem, 
         taken[p] += 1
 
 
-@examples(6)
-@given(problems(), st.integers(1, 4), st.integers(0, 3))
-def test_walk_dynamic_tail_leaves_the_cheapest_items_costliest_first(
-    monkeypatch, problem, min_rounds, tail_rounds
-):
-    """`dynamic_tail`: the cheapest-last walk's other items stay with their programs, in the same
-    head-major rounds; its cheapest items are the tail, costliest first (ties: the later item first),
-    at least `DYNAMIC_TAIL_ROUNDS` rounds of them where a quarter of the rounds allows; every program
-    owns a unit (each claims); and claimed greedily by the cost model (each to the program that frees
-    up first) the tail ends the busiest program CHEAPEST_LAST_GAIN sooner than the dealt walk."""
-    monkeypatch.setattr(hopper_prefill, "CHEAPEST_LAST_ROUNDS", min_rounds)
-    monkeypatch.setattr(hopper_prefill, "DYNAMIC_TAIL_ROUNDS", tail_rounds)
-    counts, query_tiles, heads, programs = problem
-    lists = item_lists(counts, query_tiles, heads)
-    cost = np.array([unit_cost(lists, (w, 0, lists[w].sum())) for w in range(lists.shape[0])])
-    dealt = plan_walk(counts, query_tiles, heads, programs, 1, False)
-    walk = plan_walk(counts, query_tiles, heads, programs, 1, False, cheapest_last=True, dynamic_tail=True)
-    check_cover(walk, lists)
-    if not walk.tail:
-        assert np.array_equal(walk.units, dealt.units) and np.array_equal(walk.offsets, dealt.offsets)
-        return
-    num_items, tail = lists.shape[0], walk.units[walk.offsets[-1] :, 0]
-    rounds = num_items // programs
-    assert walk.tail >= num_items % programs + min(tail_rounds, rounds // 4) * programs
-    assert (np.diff(walk.offsets) > 0).all()
-    rest = np.setdiff1d(np.arange(num_items), tail)  # in head-major rounds: program p the p-th of each
-    assert all(np.array_equal(u[:, 0], rest[p::programs]) for p, u in enumerate(program_units(walk)))
-    assert cost[tail].max() <= cost[rest].min() + 1e-9
-    assert tail.tolist() == sorted(tail.tolist(), key=lambda w: (-cost[w], -w))
-    loads = model_loads(walk, lists)
-    for w in tail:
-        loads[np.argmin(loads)] += cost[w]
-    gain = hopper_prefill.CHEAPEST_LAST_GAIN
-    assert loads.max() < model_loads(dealt, lists).max() * (1 - gain + 1e-9)
-
-
 def test_walk_cheapest_last_at_8k_full_prefill():
     """Issue 16's 8k full prefill (the Phi-3 layout, 2048 items on an H200's 132 programs): the dealt
     walk's most-loaded program is 3.6% over the mean by the cost model, the cheapest-last one's 0.8%."""
@@ -297,8 +255,8 @@ def test_walk_rows_are_each_units_item_and_metadata(problem, split):
     seq_lens = [1000 + 7 * b for b in range(seqs)]
     starts = np.cumsum([0] + [100 + b for b in range(seqs)]).tolist()
     flat = walk.flat(counts, query_tiles, seq_lens, starts)
-    assert (flat[: programs + 1] == walk.offsets).all() and flat[programs + 1] == walk.units.shape[0]
-    rows = flat[hopper_prefill.Walk.header(programs) :].reshape(-1, hopper_prefill.ROW_FIELDS)
+    assert (flat[: programs + 1] == walk.offsets).all()
+    rows = flat[programs + 1 :].reshape(-1, hopper_prefill.ROW_FIELDS)
     tiles = len(query_tiles)
     for row, unit in zip(rows, walk.units, strict=True):
         w = unit[0]

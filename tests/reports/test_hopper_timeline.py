@@ -32,7 +32,7 @@ def synthetic(items_per_program, n_full, n_partial, ghz=2.0):
                 end = after_partial + EPILOGUE
                 t[p, c, r, : ht.PARTIAL_END] = torch.tensor(
                     [1000 + clock / ghz, clock, after_full, after_partial, end, 1000 + end / ghz, n_full[r],
-                     n_full[r] + n_partial[r], p]
+                     n_full[r] + n_partial[r]]
                 )  # fmt: skip
                 stamped = min(n_partial[r], ht.hopper_prefill.PARTIAL_STAMPS)
                 t[p, c, r, ht.PARTIAL_END : ht.PARTIAL_END + stamped] = torch.tensor(tile_ends[:stamped])
@@ -67,14 +67,14 @@ def test_summary_reads_back_the_phases():
 
 
 def test_by_program_lays_each_programs_units_out_in_order():
-    fields = ht.PROGRAM + 1
-    units = torch.arange(6 * 2 * fields).view(6, 2, fields)
-    units[:, :, ht.PROGRAM] = torch.tensor([0, 0, 2, 0, 2, 2])[:, None]  # program 1 takes nothing
-    t = ht.by_program(units, 3)
-    assert t.shape == (3, 2, 3, fields)
-    assert torch.equal(t[0].transpose(0, 1), units[[0, 1, 3]])
+    offsets = torch.tensor([0, 3, 3, 5]).numpy()  # program 1 takes nothing
+    units = torch.arange(5 * 2 * 4).view(5, 2, 4)
+    t = ht.by_program(units, offsets)
+    assert t.shape == (3, 2, 3, 4)
+    assert torch.equal(t[0].transpose(0, 1), units[:3])
     assert (t[1] == 0).all()
-    assert torch.equal(t[2].transpose(0, 1), units[[2, 4, 5]])
+    assert torch.equal(t[2, :, :2].transpose(0, 1), units[3:])
+    assert (t[2, :, 2] == 0).all()
 
 
 def test_outside_units_reads_back_entries_and_exits():
