@@ -106,10 +106,6 @@ SPLIT_ONE_ROUND = False
 # (5 rounds, one process; reports/gpu/kernel-ab.md §24), though its rare path's code makes the kernel
 # 13% longer (the scores taken again rather than kept live, which spilled more).
 V_CHECK_AFTER = True
-# Where a unit loads the next one's scalars (its row of the walk), which its epilogue needs for the next
-# Q: 0 in the epilogue, 1 after its full tiles, 2 as it starts (the Q's load then waits on no load);
-# 3: as it starts, and the next Q itself loaded after its full tiles.
-NEXT_EARLY = 0
 # A diagnostic, None in production: an int64 tensor [units + programs, 2, TIMELINE_FIELDS]
 # (`timeline_shape`) that each consumer fills with clock stamps of its units' phases and of their first
 # PARTIAL_STAMPS partial tiles, and each partition with its entry and exit (reports/hopper_timeline.py).
@@ -577,7 +573,6 @@ def launch(
         timeline=planned["tiles"] if TIMELINE is None else TIMELINE,
         TIMELINE=TIMELINE is not None,
         V_CHECK_AFTER=V_CHECK_AFTER,
-        NEXT_EARLY=NEXT_EARLY,
         CONSUMER_REGISTERS=CONSUMER_REGISTERS,
         PRODUCER_REGISTERS=PRODUCER_REGISTERS,
         num_warps=4,  # the default partition: the first consumer
@@ -1016,26 +1011,6 @@ def _item(u, tile_lists, stride_list_kind, stride_list_tile, stride_list_head, u
 
 
 @gluon.jit
-def _next_q(
-    q,
-    item,
-    pred,
-    stride_qt,
-    stride_qh,
-    o_d_io,
-    CONSUMER: gl.constexpr,
-    ROWS: gl.constexpr,
-    row_io: gl.constexpr,
-):
-    """The Q rows [ROWS, HEAD_DIM] of the unit whose scalars are `item` (`_item`), where pred (zeros
-    outside its queries or without pred)."""
-    n_qt, n_h, _, _, _, _, _, _, n_q_begin, n_context, n_seq_len = item
-    _, m_next, tok_next = _query_rows(n_qt, n_q_begin, n_context, n_seq_len, CONSUMER, ROWS, row_io)
-    p_q = q + tok_next[:, None] * stride_qt + n_h * stride_qh + o_d_io[None, :]
-    return gl.load(p_q, mask=(m_next & pred)[:, None], other=0.0)
-
-
-@gluon.jit
 def _query_rows(
     i_qt, q_begin, context, seq_len, CONSUMER: gl.constexpr, ROWS: gl.constexpr, layout: gl.constexpr
 ):
@@ -1052,7 +1027,7 @@ def _consumer(
     tile_lists, block_mask, stride_list_kind, stride_list_tile, stride_list_head, stride_mask_head,
     num_blocks, sparse_block, num_heads, walk, split_state, split_done, timeline, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, LAYOUT_MASK: gl.constexpr, CONSUMER: gl.constexpr, SPLIT: gl.constexpr,
-    TIMELINE: gl.constexpr, V_CHECK_AFTER: gl.constexpr, NEXT_EARLY: gl.constexpr,
+    TIMELINE: gl.constexpr, V_CHECK_AFTER: gl.constexpr,
 ):  # fmt: skip
     """Rows CONSUMER * ROWS .. + ROWS - 1 of each of the program's units: the walk over the shared ring
     (the full tiles unmasked, then the partial ones as their entries' modes say), then the outputs, or
@@ -1092,8 +1067,6 @@ def _consumer(
     k = 0
     for u in range(u_begin, u_end):
         p_stamp = timeline + (u * 2 + CONSUMER).to(gl.int64) * TIMELINE_FIELDS_C
-        if NEXT_EARLY >= 2:
-            item = _item(gl.minimum(u + 1, u_end - 1), *item_args)
         f_begin, f_end = gl.minimum(begin, n_full), gl.minimum(end, n_full)
         t_begin, t_end = gl.maximum(begin, n_full) - n_full, gl.maximum(end, n_full) - n_full
         if TIMELINE:
@@ -1127,10 +1100,6 @@ def _consumer(
                 BLOCK_N, STAGES, LAYOUT_MASK, False,
             )  # fmt: skip
         k += f_end - f_begin
-        if NEXT_EARLY == 1:
-            item = _item(gl.minimum(u + 1, u_end - 1), *item_args)
-        if NEXT_EARLY == 3:
-            b_q = _next_q(q, item, u + 1 < u_end, stride_qt, stride_qh, o_d_io, CONSUMER, ROWS, row_io)
         if TIMELINE:
             _stamp(p_stamp + 2, k)
         # A tile partial for the 128-row query tile is often none of this group's business, or whole
@@ -1167,10 +1136,11 @@ def _consumer(
 
         # The next unit's scalars and Q, loading during this one's epilogue.
         u_next = u + 1
-        if NEXT_EARLY == 0:
-            item = _item(gl.minimum(u_next, u_end - 1), *item_args)
-        if NEXT_EARLY < 3:
-            b_q = _next_q(q, item, u_next < u_end, stride_qt, stride_qh, o_d_io, CONSUMER, ROWS, row_io)
+        item = _item(gl.minimum(u_next, u_end - 1), *item_args)
+        n_qt, n_h, _, _, _, _, _, _, n_q_begin, n_context, n_seq_len = item
+        _, m_next, tok_next = _query_rows(n_qt, n_q_begin, n_context, n_seq_len, CONSUMER, ROWS, row_io)
+        p_q = q + tok_next[:, None] * stride_qt + n_h * stride_qh + o_d_io[None, :]
+        b_q = gl.load(p_q, mask=(m_next & (u_next < u_end))[:, None], other=0.0)
 
         b_l = gl.convert_layout(b_l, row_o)
         b_m = gl.convert_layout(b_m, row_o)
@@ -1312,7 +1282,6 @@ def hopper_prefill_kernel(
     SPLIT: gl.constexpr,
     TIMELINE: gl.constexpr,
     V_CHECK_AFTER: gl.constexpr,
-    NEXT_EARLY: gl.constexpr,
     CONSUMER_REGISTERS: gl.constexpr,
     PRODUCER_REGISTERS: gl.constexpr,
 ):
@@ -1341,7 +1310,7 @@ def hopper_prefill_kernel(
                     q, out, lse, k_smem, v_smem, q_smem, v_own_smem, ready, empty, stride_qt, stride_qh,
                     qk_scale, tile_lists, block_mask, stride_list_kind, stride_list_tile, stride_list_head,
                     stride_mask_head, num_blocks, sparse_block, num_heads, walk, split_state, split_done,
-                    timeline, BLOCK_N, STAGES, LAYOUT_MASK, 0, SPLIT, TIMELINE, V_CHECK_AFTER, NEXT_EARLY,
+                    timeline, BLOCK_N, STAGES, LAYOUT_MASK, 0, SPLIT, TIMELINE, V_CHECK_AFTER,
                 ),
             ),
             (
@@ -1350,7 +1319,7 @@ def hopper_prefill_kernel(
                     q, out, lse, k_smem, v_smem, q_smem, v_own_smem, ready, empty, stride_qt, stride_qh,
                     qk_scale, tile_lists, block_mask, stride_list_kind, stride_list_tile, stride_list_head,
                     stride_mask_head, num_blocks, sparse_block, num_heads, walk, split_state, split_done,
-                    timeline, BLOCK_N, STAGES, LAYOUT_MASK, 1, SPLIT, TIMELINE, V_CHECK_AFTER, NEXT_EARLY,
+                    timeline, BLOCK_N, STAGES, LAYOUT_MASK, 1, SPLIT, TIMELINE, V_CHECK_AFTER,
                 ),
             ),
             (

@@ -67,9 +67,6 @@ VARIANTS = [
     ("v_checked_first", "kernels", True, {"V_CHECK_AFTER": False}),
     ("device_descriptors", "kernels", True, {"DEVICE_DESCRIPTORS": True}),
     ("dealt_last", "kernels", True, {"CHEAPEST_LAST": False}),
-    ("next_early_1", "kernels", True, {"NEXT_EARLY": 1}),
-    ("next_early_2", "kernels", True, {"NEXT_EARLY": 2}),
-    ("next_early_3", "kernels", True, {"NEXT_EARLY": 3}),
     ("split_one_round", "kernels", True, {"SPLIT_ONE_ROUND": True}),
     (
         "split_one_round_fine",
