@@ -181,6 +181,35 @@ def test_hopper_prefill_v_checked_first(hopper_path, monkeypatch, name, poison):
     assert not plan.hopper.planned["V_CHECK_AFTER"], "the plan checked V after the product"
 
 
+# Settings off by default that change the kernel's schedule or its buffers, not its math: each runs
+# every case, the non-finite ones among them.
+SCHEDULES = {
+    "ping-pong": {"PING_PONG": 1},
+    "ping-pong-pv": {"PING_PONG": 2},
+    "v-in-q-5-slots": {"V_IN_Q": True, "STAGES": 5},
+    "v-in-q-5-slots-ping-pong": {"V_IN_Q": True, "STAGES": 5, "PING_PONG": 1},
+}
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize(("name", "poison"), PARAMS)
+def test_hopper_prefill_schedules(hopper_path, monkeypatch, name, poison, schedule):
+    """The consumer groups' turns (PING_PONG: a group issues a pair's products in its turn), and V's
+    checked copy in the Q buffer with a fifth slot in the ring (V_IN_Q, STAGES = 5)."""
+    for setting, value in SCHEDULES[schedule].items():
+        monkeypatch.setattr(hopper_prefill, setting, value)
+    plan = _judge(name, poison)
+    assert all(plan.hopper.planned[setting] == value for setting, value in SCHEDULES[schedule].items())
+
+
+def test_hopper_prefill_v_in_q_needs_check_after(hopper_path, monkeypatch):
+    """V_IN_Q without V_CHECK_AFTER would load Q again after every masked tile: planning refuses it."""
+    monkeypatch.setattr(hopper_prefill, "V_IN_Q", True)
+    monkeypatch.setattr(hopper_prefill, "V_CHECK_AFTER", False)
+    with pytest.raises(ValueError, match="V_IN_Q"):
+        _plan(build_inputs(CASES["dense-ctx223-q777-P16"], "cuda"))
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_hopper_prefill_device_descriptors(hopper_path, monkeypatch, name):
     """DEVICE_DESCRIPTORS on (off by default, where the host makes the caches' TMA descriptors): each
