@@ -106,16 +106,6 @@ SPLIT_ONE_ROUND = False
 # (5 rounds, one process; reports/gpu/kernel-ab.md §24), though its rare path's code makes the kernel
 # 13% longer (the scores taken again rather than kept live, which spilled more).
 V_CHECK_AFTER = True
-# With V_IN_Q, that rare path writes its checked copy of V into the group's Q buffer (a masked tile's
-# scores are taken by then) and loads the unit's Q into it again after its product, instead of using a
-# buffer of its own: the 32 KB of the two groups' own V buffers then hold a fifth slot of the ring
-# (STAGES = 5; five slots and the own buffers do not fit). Needs V_CHECK_AFTER.
-V_IN_Q = False
-# Ping-pong of the consumer groups (FlashAttention-3's warp-group scheduling) over their full-tile
-# pairs: a group takes its turn (a named barrier of both groups) to issue a pair's score products, and
-# with 2 on a second turn its P.V products, then passes the turn, so that one group's softmax runs
-# beside the other's products rather than both groups in the same phase at once. 0: off.
-PING_PONG = 0
 # A diagnostic, None in production: an int64 tensor [units + programs, 2, TIMELINE_FIELDS]
 # (`timeline_shape`) that each consumer fills with clock stamps of its units' phases and of their first
 # PARTIAL_STAMPS partial tiles, and each partition with its entry and exit (reports/hopper_timeline.py).
@@ -151,9 +141,6 @@ PARTIAL_STAMPS_C = gl.constexpr(PARTIAL_STAMPS)
 ITEM_FIELDS_C = gl.constexpr(ITEM_FIELDS)
 PROGRAM_CONSUMER_C, PROGRAM_PRODUCER_C = gl.constexpr(PROGRAM_CONSUMER), gl.constexpr(PROGRAM_PRODUCER)
 PROGRAM_FIRST_COPY_C = gl.constexpr(PROGRAM_FIRST_COPY)
-# Consumer group g's turn (PING_PONG) is named barrier TURN_BARRIER + g: Triton's own are 0 to 2 (each
-# partition's group barrier, the partitions' entry and exit) of the 16 an SM has.
-TURN_BARRIER = gl.constexpr(14)
 
 
 def on_hopper(device: torch.device) -> bool:
@@ -559,8 +546,6 @@ def launch(
         if TIMELINE.dtype != torch.int64 or tuple(TIMELINE.shape) != shape or TIMELINE.device != device:
             raise ValueError(f"hopper_prefill.TIMELINE: expected int64 {list(shape)} on {device}")
     head_dim = descriptors.block[1]
-    if V_IN_Q and not V_CHECK_AFTER:
-        raise ValueError("hopper_prefill.V_IN_Q: needs V_CHECK_AFTER (every masked tile would load Q again)")
     if slots < walk.num_slots:
         raise ValueError(f"launch: {slots} split slots for a walk of {walk.num_slots}")
     if slots:
@@ -588,8 +573,6 @@ def launch(
         timeline=planned["tiles"] if TIMELINE is None else TIMELINE,
         TIMELINE=TIMELINE is not None,
         V_CHECK_AFTER=V_CHECK_AFTER,
-        V_IN_Q=V_IN_Q,
-        PING_PONG=PING_PONG,
         CONSUMER_REGISTERS=CONSUMER_REGISTERS,
         PRODUCER_REGISTERS=PRODUCER_REGISTERS,
         num_warps=4,  # the default partition: the first consumer
@@ -723,17 +706,6 @@ def _stamp(p_stamp, x, GLOBAL: gl.constexpr = False):
 
 
 @gluon.jit
-def _turn(x, barrier: gl.constexpr, SYNC: gl.constexpr):
-    """This consumer group's part in named barrier `barrier` of both groups (2 x 128 threads), once x
-    is known: with SYNC, wait there for the other group's arrival (this group's turn); else arrive and
-    go on (the other group's turn)."""
-    op: gl.constexpr = "sync" if SYNC else "arrive"
-    gl.inline_asm_elementwise(
-        f"bar.{op} {barrier}, 256;\n\tmov.u32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1
-    )
-
-
-@gluon.jit
 def _program_stamps(timeline, walk, ns_entry, field: gl.constexpr, CONSUMER: gl.constexpr):
     """A partition's entry time (`_clock`, taken at its start) and its exit time (now), at its
     program's row of the timeline (after the units' rows: the walk's last offset): fields field and
@@ -857,12 +829,11 @@ def _attend_tile(
     b_m, b_l, b_seen, b_acc, k, n, q_op, k_smem, v_smem, v_own, ready, empty, o_m, m_m, p_mask_row,
     layout_on, seq_len, sparse_block, qk_scale,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, LAYOUT_MASK: gl.constexpr, PARTIAL: gl.constexpr,
-    V_CHECK_AFTER: gl.constexpr = False, q_first=None, stride_qt=None, V_IN_Q: gl.constexpr = False,
+    V_CHECK_AFTER: gl.constexpr = False,
 ):  # fmt: skip
     """The k-th key tile of the ring (starting at key n) into the online softmax state, as
     `attend` (kernels/_common.py); then its slot is released. A PARTIAL tile reads the layout's mask
-    (LAYOUT_MASK) only when layout_on: else causality and the sequence end alone mask it. With V_IN_Q,
-    v_own is q_op's buffer, whose rows (q_first's, `_load_q`) are loaded again after it held V."""
+    (LAYOUT_MASK) only when layout_on: else causality and the sequence end alone mask it."""
     HEAD_DIM: gl.constexpr = q_op.type.shape[1]
     NUM_WARPS: gl.constexpr = gl.num_warps()
     dtype: gl.constexpr = q_op.dtype
@@ -902,13 +873,8 @@ def _attend_tile(
         b_m_new, b_alpha, b_psum, b_pv = _weigh(b_s, m_s, b_m, qk_scale, v_buf, o_layout)
         if gl.max((gl.sum(b_pv * 0.0, 1) != 0.0).to(gl.int32), 0) != 0:
             # The scores again (K is still in the slot): kept live across the product, they spilled.
-            b_s = _scores(q_op, k_smem.index(slot), s_layout)
-            if V_IN_Q:
-                gl.thread_barrier()  # every warp's product has read Q before V's copy takes its buffer
-            b_s = _v_checked(b_s, m_s, v_buf, v_own, io_layout)
+            b_s = _v_checked(_scores(q_op, k_smem.index(slot), s_layout), m_s, v_buf, v_own, io_layout)
             b_m_new, b_alpha, b_psum, b_pv = _weigh(b_s, m_s, b_m, qk_scale, v_own, o_layout)
-            if V_IN_Q:
-                _load_q(q_op, q_first, stride_qt, o_m, m_m, io_layout)
         b_l = b_l * b_alpha + b_psum
         b_acc = b_acc * gl.convert_layout(b_alpha, row_o)[:, None] + b_pv
         async_copy.mbarrier_arrive(empty.index(slot), increment_count=False)
@@ -966,23 +932,6 @@ def _v_checked(b_s, m_s, v_buf, v_own, io_layout: gl.constexpr):
 
 
 @gluon.jit
-def _load_q(q_buf, q_first, stride_qt, o_m, m_m, io_layout: gl.constexpr):
-    """The group's Q rows [ROWS, HEAD_DIM] into q_buf (shared memory) once every warp's product has
-    read it: row r from q_first + o_m[r] * stride_qt, zero where m_m[r] is False (not a query)."""
-    HEAD_DIM: gl.constexpr = q_buf.type.shape[1]
-    row_io: gl.constexpr = gl.SliceLayout(1, io_layout)
-    o_m_io = gl.convert_layout(o_m, row_io)
-    m_m_io = gl.convert_layout(m_m, row_io)
-    o_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io_layout))
-    p_q = q_first + o_m_io.to(gl.int64)[:, None] * stride_qt + o_d[None, :]
-    b_q = gl.load(p_q, mask=m_m_io[:, None], other=0.0)
-    gl.thread_barrier()
-    q_buf.store(b_q)
-    fence_async_shared()
-    gl.thread_barrier()
-
-
-@gluon.jit
 def _weigh(b_s, m_s, b_m, qk_scale, v, o_layout: gl.constexpr):
     """A masked tile's softmax update from its scores b_s [ROWS, BLOCK_N] (masked ones -inf): the new
     row maxima and rescale factors, the weights' row sums and their product with v [BLOCK_N,
@@ -1004,11 +953,11 @@ def _weigh(b_s, m_s, b_m, qk_scale, v, o_layout: gl.constexpr):
 @gluon.jit
 def _attend_pairs(
     b_m, b_l, b_acc, k, num_pairs, q_op, k_smem, v_smem, ready, empty, qk_scale,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMER: gl.constexpr, PING_PONG: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
     """Full key tiles k .. k + 2 * num_pairs - 1 of the ring into the online softmax state, two at a
     time, as unmasked `_attend_tile`s: one softmax update, one wait for the products and one release
-    of both slots a pair. With PING_PONG, consumer CONSUMER issues a pair's products in its turns."""
+    of both slots a pair."""
     ROWS: gl.constexpr = q_op.type.shape[0]
     s_layout: gl.constexpr = _mma_layout(BLOCK_N, gl.num_warps())
     o_layout: gl.constexpr = b_acc.type.layout
@@ -1020,15 +969,9 @@ def _attend_pairs(
         slot0 = i % STAGES
         slot1 = (i + 1) % STAGES
         mbarrier.wait(ready.index(slot0), (i // STAGES) & 1)
-        if PING_PONG:  # the pair's copies first: a turn is held for the issue alone
-            mbarrier.wait(ready.index(slot1), ((i + 1) // STAGES) & 1)
-            _turn(i, TURN_BARRIER + CONSUMER, True)
         b_s0 = warpgroup_mma(q_op, k_smem.index(slot0).permute((1, 0)), b_zero, use_acc=False, is_async=True)
-        if not PING_PONG:
-            mbarrier.wait(ready.index(slot1), ((i + 1) // STAGES) & 1)
+        mbarrier.wait(ready.index(slot1), ((i + 1) // STAGES) & 1)
         b_s1 = warpgroup_mma(q_op, k_smem.index(slot1).permute((1, 0)), b_zero, use_acc=False, is_async=True)
-        if PING_PONG:
-            _turn(i, TURN_BARRIER + 1 - CONSUMER, False)
         b_s0, b_s1 = warpgroup_mma_wait(num_outstanding=0, deps=(b_s0, b_s1))
         b_s0 = b_s0 + b_s0 * 0.0  # the NaN rule, as in `_attend_tile`
         b_s1 = b_s1 + b_s1 * 0.0
@@ -1042,12 +985,8 @@ def _attend_pairs(
         b_x0 = gl.convert_layout(b_p0.to(q_op.dtype), p_layout)
         b_x1 = gl.convert_layout(b_p1.to(q_op.dtype), p_layout)
         b_acc = b_acc * gl.convert_layout(b_alpha, row_o)[:, None]
-        if PING_PONG == 2:
-            _turn(i, TURN_BARRIER + CONSUMER, True)
         b_acc = warpgroup_mma(b_x0, v_smem.index(slot0), b_acc, is_async=True)
         b_acc = warpgroup_mma(b_x1, v_smem.index(slot1), b_acc, is_async=True)
-        if PING_PONG == 2:
-            _turn(i, TURN_BARRIER + 1 - CONSUMER, False)
         # The register operands are kept alive until their products retire.
         b_acc, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(b_acc, b_x0, b_x1))
         async_copy.mbarrier_arrive(empty.index(slot0), increment_count=False)
@@ -1088,7 +1027,7 @@ def _consumer(
     tile_lists, block_mask, stride_list_kind, stride_list_tile, stride_list_head, stride_mask_head,
     num_blocks, sparse_block, num_heads, walk, split_state, split_done, timeline, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, LAYOUT_MASK: gl.constexpr, CONSUMER: gl.constexpr, SPLIT: gl.constexpr,
-    TIMELINE: gl.constexpr, V_CHECK_AFTER: gl.constexpr, V_IN_Q: gl.constexpr, PING_PONG: gl.constexpr,
+    TIMELINE: gl.constexpr, V_CHECK_AFTER: gl.constexpr,
 ):  # fmt: skip
     """Rows CONSUMER * ROWS .. + ROWS - 1 of each of the program's units: the walk over the shared ring
     (the full tiles unmasked, then the partial ones as their entries' modes say), then the outputs, or
@@ -1096,12 +1035,9 @@ def _consumer(
     TIMELINE, a unit's stamps: its start on both clocks, the cycle counter after its full tiles,
     after its partial tiles and once its stores are issued, the nanosecond timer then, its tiles'
     counts, then the cycle counter after each of its first PARTIAL_STAMPS partial tiles and those
-    tiles' modes; and its entry and exit times (`PROGRAM_CONSUMER`). With PING_PONG, the first
-    consumer takes the first turn, and the last one it is given at its end (`_attend_pairs`)."""
+    tiles' modes; and its entry and exit times (`PROGRAM_CONSUMER`)."""
     if TIMELINE:
         ns_entry = _clock(gl.program_id(0), True)
-    if PING_PONG and CONSUMER == 1:
-        _turn(gl.program_id(0), TURN_BARRIER, False)
     ROWS: gl.constexpr = q_smem.type.shape[1]
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
     NUM_WARPS: gl.constexpr = gl.num_warps()
@@ -1148,7 +1084,6 @@ def _consumer(
         p_mask_row = block_mask + i_h * stride_mask_head + qb * num_blocks
         # The full tiles' scores read Q from registers, and only K from shared memory.
         q_op = q_buf.load(q_op_layout)
-        q_first = q + (q_begin - context).to(gl.int64) * stride_qt + i_h * stride_qh  # V_IN_Q's `_load_q`
         b_m = gl.full([ROWS], FINITE_MIN, gl.float32, row_s)
         b_l = gl.zeros([ROWS], gl.float32, row_s)
         # A full tile is seen by every row.
@@ -1156,9 +1091,8 @@ def _consumer(
         b_acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
         num_pairs = (f_end - f_begin) // 2  # then one more tile when their count is odd
         b_m, b_l, b_acc = _attend_pairs(
-            b_m, b_l, b_acc, k, num_pairs, q_op, k_smem, v_smem, ready, empty, qk_scale, BLOCK_N, STAGES,
-            CONSUMER, PING_PONG,
-        )  # fmt: skip
+            b_m, b_l, b_acc, k, num_pairs, q_op, k_smem, v_smem, ready, empty, qk_scale, BLOCK_N, STAGES
+        )
         for t in range(f_begin + 2 * num_pairs, f_end):
             b_m, b_l, b_seen, b_acc = _attend_tile(
                 b_m, b_l, b_seen, b_acc, k + t - f_begin, gl.load(p_full + 1 + t) * BLOCK_N, q_op, k_smem,
@@ -1190,7 +1124,7 @@ def _consumer(
                 b_m, b_l, b_seen, b_acc = _attend_tile(
                     b_m, b_l, b_seen, b_acc, i, n, q_buf, k_smem, v_smem, v_own, ready, empty, o_m, m_m,
                     p_mask_row, mode != CAUSAL, seq_len, sparse_block, qk_scale, BLOCK_N, STAGES,
-                    LAYOUT_MASK, True, V_CHECK_AFTER, q_first, stride_qt, V_IN_Q,
+                    LAYOUT_MASK, True, V_CHECK_AFTER,
                 )  # fmt: skip
             if TIMELINE:  # noqa: SIM102 (a compile-time if around a runtime one)
                 if t - t_begin < PARTIAL_STAMPS_C:
@@ -1247,8 +1181,6 @@ def _consumer(
             _stamp(p_stamp + 4, k)
             _stamp(p_stamp + 5, k, True)
         i_qt, i_h, p_full, p_partial, n_full, begin, end, split, q_begin, context, seq_len = item
-    if PING_PONG and CONSUMER == 0:  # the second consumer's last arrival, for a barrier left clear
-        _turn(gl.program_id(0), TURN_BARRIER, True)
     if TIMELINE:
         _program_stamps(timeline, walk, ns_entry, PROGRAM_CONSUMER_C, CONSUMER)
 
@@ -1350,8 +1282,6 @@ def hopper_prefill_kernel(
     SPLIT: gl.constexpr,
     TIMELINE: gl.constexpr,
     V_CHECK_AFTER: gl.constexpr,
-    V_IN_Q: gl.constexpr,
-    PING_PONG: gl.constexpr,
     CONSUMER_REGISTERS: gl.constexpr,
     PRODUCER_REGISTERS: gl.constexpr,
 ):
@@ -1363,10 +1293,7 @@ def hopper_prefill_kernel(
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
     q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_layout)
-    if V_IN_Q:  # a group's checked copy of V goes into its Q buffer
-        v_own_smem = q_smem
-    else:
-        v_own_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], v_layout)
+    v_own_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], v_layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -1383,8 +1310,7 @@ def hopper_prefill_kernel(
                     q, out, lse, k_smem, v_smem, q_smem, v_own_smem, ready, empty, stride_qt, stride_qh,
                     qk_scale, tile_lists, block_mask, stride_list_kind, stride_list_tile, stride_list_head,
                     stride_mask_head, num_blocks, sparse_block, num_heads, walk, split_state, split_done,
-                    timeline, BLOCK_N, STAGES, LAYOUT_MASK, 0, SPLIT, TIMELINE, V_CHECK_AFTER, V_IN_Q,
-                    PING_PONG,
+                    timeline, BLOCK_N, STAGES, LAYOUT_MASK, 0, SPLIT, TIMELINE, V_CHECK_AFTER,
                 ),
             ),
             (
@@ -1393,8 +1319,7 @@ def hopper_prefill_kernel(
                     q, out, lse, k_smem, v_smem, q_smem, v_own_smem, ready, empty, stride_qt, stride_qh,
                     qk_scale, tile_lists, block_mask, stride_list_kind, stride_list_tile, stride_list_head,
                     stride_mask_head, num_blocks, sparse_block, num_heads, walk, split_state, split_done,
-                    timeline, BLOCK_N, STAGES, LAYOUT_MASK, 1, SPLIT, TIMELINE, V_CHECK_AFTER, V_IN_Q,
-                    PING_PONG,
+                    timeline, BLOCK_N, STAGES, LAYOUT_MASK, 1, SPLIT, TIMELINE, V_CHECK_AFTER,
                 ),
             ),
             (

@@ -116,9 +116,7 @@ case $part in
     #   balanced walk's cases);
     # - cheapest-last: the walk with the cheapest items last takes its first tail item twice and its last
     #   one never (the cheapest-last walk's case);
-    # - check-after: V_CHECK_AFTER never finds its product non-finite (the non-finite V cases);
-    # - v-in-q: with V_IN_Q, Q is not loaded again after V's checked copy took its buffer (the
-    #   non-finite V cases under that schedule).
+    # - check-after: V_CHECK_AFTER never finds its product non-finite (the non-finite V cases).
     names=()
     while IFS='|' read -r name edit left tests; do
       # HOPPER_BREAKS: only the breaks it names (default: every one)
@@ -144,7 +142,6 @@ cheapest-last|s/np.concatenate(\[rest, tail\])/np.concatenate([rest, tail[:-1], 
 split-merge|s/gl.load(p_l) \* b_beta/gl.load(p_l) * b_alpha/|gl.load(p_l) * b_alpha|split
 split-reset|s/gl.store(p_done, 0)  # for the next launch/pass  # no reset/|pass  # no reset|split
 check-after|s/gl.sum(b_pv \* 0.0, 1) != 0.0/gl.sum(b_pv * 0.0, 1) > 0.0/|gl.sum(b_pv * 0.0, 1) > 0.0|v_cache and not v_checked_first
-v-in-q|s/_load_q(q_op, q_first, stride_qt, o_m, m_m, io_layout)/pass  # Q not loaded again/|pass  # Q not loaded again|v_cache and v-in-q
 BREAKS
     wait
     tail -n 3 "$out/tests.log" >> "$out/summary.txt"

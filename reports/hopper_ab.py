@@ -59,8 +59,7 @@ PATHS = [
 # with the descriptors each program makes (the default before the nineteenth session), and with the
 # last round dealt where the cheapest items would go last (the default before the twentieth), and with
 # a lone round's items split over the programs it leaves idle (by the cost model's defaults, and with
-# parts of two tiles or more at half the set-up); and the consumer groups taking turns to issue a pair's
-# score products (and P.V products: `_pv`), V's checked copy in the Q buffer, alone or with a fifth slot
+# parts of two tiles or more at half the set-up)
 VARIANTS = [
     ("head_major", "kernels", True, {"BALANCED_WALK": False}),
     ("split", "kernels", True, {"SPLIT_LAST": True}),
@@ -75,12 +74,6 @@ VARIANTS = [
         True,
         {"SPLIT_ONE_ROUND": True, "MIN_SPLIT_TILES": 2, "SPLIT_COST": 2.0},
     ),
-    ("ping_pong", "kernels", True, {"PING_PONG": 1}),
-    ("ping_pong_pv", "kernels", True, {"PING_PONG": 2}),
-    ("v_in_q", "kernels", True, {"V_IN_Q": True}),
-    ("slots5", "kernels", True, {"V_IN_Q": True, "STAGES": 5}),
-    ("slots5_ping_pong", "kernels", True, {"V_IN_Q": True, "STAGES": 5, "PING_PONG": 1}),
-    ("slots5_ping_pong_pv", "kernels", True, {"V_IN_Q": True, "STAGES": 5, "PING_PONG": 2}),
 ]
 # --previous DIR: the Hopper path of the commit in DIR/kernels_prev (reports/previous_kernels.sh)
 PREVIOUS = ("previous", "kernels_prev", True, {})
