@@ -14,11 +14,20 @@ import torch
 from torch import nn
 
 import reference
+from engine import norm, norm_triton, rope_triton
+from engine.rope import rope_tables, split_rotary
 
 # Query weights are scaled up so that, with the muP scale 1/head_dim, scores are O(1) at init:
 # attention then depends strongly on which keys are visible, and masking mistakes show.
 QUERY_GAIN = 2.0
 LOGIT_GAIN = 4.0
+# On the GPU a layer's elementwise steps run as one Triton kernel each, twins of their torch forms here
+# (issue 17): q, k and v out of the projection (engine/rope_triton.py, bit for bit; torch's float32
+# rotary took eight launches and a fifth of the 32-layer model's 2k prefill), and each LayerNorm with
+# the residual sum before it (engine/norm_triton.py). Module settings, read at each call, so that an A/B
+# (reports/engine_steps.py --rows fused) turns each off.
+FUSED_ROTARY = True
+FUSED_NORM = True
 
 MODEL_CONFIGS = {
     "tiny": dict(
@@ -109,28 +118,6 @@ class ModelArgs:
         return [None if layout is None else shared for layout in layouts]
 
 
-def rope_tables(max_positions: int, head_dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rotary factors of positions 0 .. max_positions - 1, float32 [max_positions, head_dim] each,
-    built once per model so that a step only gathers its rows: cos of pair j's angle at columns j and
-    j + head_dim // 2, and its sin at column j + head_dim // 2 and negated at column j (`rotary`)."""
-    half = head_dim // 2
-    inv_freq = base ** (-torch.arange(half, device=device, dtype=torch.float32) / half)
-    angles = torch.arange(max_positions, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    cos, sin = angles.cos(), angles.sin()
-    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
-
-
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE, pair j being (x_j, x_{j + head_dim // 2}). x: [num_tokens, num_heads, head_dim];
-    cos, sin: float32 [num_tokens, 1, head_dim] (rows of `rope_tables`).
-
-    x * cos + roll(x) * sin is (x1 cos - x2 sin, x2 cos + x1 sin) bit for bit (a - b = a + (-b)), in
-    six elementwise launches where the halves taken apart needed ten."""
-    half = x.shape[-1] // 2
-    xf = x.float()
-    return (xf * cos + xf.roll(half, dims=-1) * sin).to(x.dtype)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -145,23 +132,23 @@ class DecoderLayer(nn.Module):
 
     def attention_inputs(self, h, rope: tuple[torch.Tensor, torch.Tensor]):
         """q [num_tokens, n_heads, head_dim] and k, v [num_tokens, n_kv_heads, head_dim] of hidden states
-        h [num_tokens, dim], q and k rotated."""
-        a = self.args
-        q_size, kv_size = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
-        qkv = self.qkv(self.attn_norm(h))
-        # q's and k's columns are adjacent: one rotary call turns both (its elementwise launches once
-        # a layer, not twice), element for element as two calls would.
-        qk = rotary(qkv[:, : q_size + kv_size].reshape(-1, a.n_heads + a.n_kv_heads, a.head_dim), *rope)
-        q, k = qk.split([a.n_heads, a.n_kv_heads], dim=1)
-        # q contiguous here, so that a graph of this (engine/cuda_graphs.py) makes the copy attention needs.
-        v = qkv[:, q_size + kv_size :].reshape(-1, a.n_kv_heads, a.head_dim).contiguous()
-        return q.contiguous(), k, v
+        h [num_tokens, dim], q and k rotated (engine/rope.py's `split_rotary`)."""
+        _, x = self._norm(h, None, self.attn_norm)
+        qkv = self.qkv(x)
+        split = rope_triton.split_rotary if FUSED_ROTARY and qkv.is_cuda else split_rotary
+        return split(qkv, *rope, self.args.n_heads, self.args.n_kv_heads)
 
     def finish(self, h, o):
         """The layer's output [num_tokens, dim] from its input h and attention's o [num_tokens, n_heads,
         head_dim]."""
-        h = h + self.out(o.reshape(h.shape[0], -1))
-        return h + self.down(nn.functional.gelu(self.up(self.mlp_norm(h))))
+        h, x = self._norm(h, self.out(o.reshape(h.shape[0], -1)), self.mlp_norm)
+        return h + self.down(nn.functional.gelu(self.up(x)))
+
+    @staticmethod
+    def _norm(x, residual, layer_norm: nn.LayerNorm):
+        """(x + residual, its LayerNorm) by `add_layer_norm` (engine/norm.py)."""
+        add = norm_triton.add_layer_norm if FUSED_NORM and x.is_cuda else norm.add_layer_norm
+        return add(x, residual, layer_norm.weight, layer_norm.bias, layer_norm.eps)
 
     def forward(self, h, rope: tuple[torch.Tensor, torch.Tensor], attend: Callable):
         return self.finish(h, attend(*self.attention_inputs(h, rope)))

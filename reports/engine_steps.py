@@ -24,8 +24,8 @@ warm-up ones:
     device idle ms  in profiled steps (the profiler slows the host): before the step's first kernel,
                 between its kernels (inside graphs too), after its last (`device_idle`; decode rows:
                 of the window, per step).
-`python3 -m reports.engine_steps [--out DIR] [--profile N] [--rows gpu|split-one-round]` runs the GPU
-settings (or an A/B's rows, each with its kernels/hopper_prefill.py settings) and writes
+`python3 -m reports.engine_steps [--out DIR] [--profile N] [--rows gpu|split-one-round|fused]` runs the GPU
+settings (or an A/B's rows, each with its kernels/hopper_prefill.py or engine/model.py settings) and writes
 engine-steps.{md,json} (`--profile N`: also the N operators of most host time per row, from the
 profiler, to the log); `--smoke` a tiny CPU setting that checks the script, not the numbers.
 """
@@ -43,6 +43,7 @@ from unittest import mock
 import torch
 
 from engine import LLM, SamplingParams
+from engine import model as engine_model
 from kernels import hopper_prefill
 
 LAUNCH_APIS = (
@@ -65,6 +66,7 @@ class Row:
     pieces: bool = False  # prefill steps in piece graphs around eager attention (whole_prefill off)
     read_first: bool = False  # each decode step launched after the one before was read (async_decode off)
     hopper: tuple = ()  # (name, value) settings of kernels/hopper_prefill.py during the row: an A/B
+    layer: tuple = ()  # (name, value) settings of engine/model.py (FUSED_ROTARY, FUSED_NORM): an A/B
 
     @property
     def graphs(self) -> str:
@@ -98,8 +100,21 @@ SPLIT_ONE_ROUND_ROWS = tuple(
     for model in ("phi3-small-attn", "phi3-small")
     for hopper in ((), (("SPLIT_ONE_ROUND", True),), (("SPLIT_ONE_ROUND", True),), ())
 )
+# --rows fused: the 32-layer model's 2k prefill step, nothing and 90% cached (issue 17's ratio), with the
+# layer's small kernels fused (engine/model.py's settings, the default), without, and with each alone;
+# then the 90% cached step without graphs, where every launch costs host time (a fused kernel's is
+# Triton's, the small kernels' torch's).
+FUSED_OFF = (("FUSED_ROTARY", False), ("FUSED_NORM", False))
+FUSED_ROWS = tuple(
+    Row("phi3-small", "prefill", 2048, share, layer=layer)
+    for share in (0.0, 0.9)
+    for layer in ((), FUSED_OFF, FUSED_OFF[:1], FUSED_OFF[1:], FUSED_OFF, ())
+) + tuple(
+    Row("phi3-small", "prefill", 2048, 0.9, eager=True, layer=layer)
+    for layer in ((), FUSED_OFF, FUSED_OFF, ())
+)
 SMOKE_ROWS = (Row("tiny", "prefill", 64, 0.5, eager=True), Row("tiny", "decode", 48, batch=4, eager=True))
-ROW_SETS = {"gpu": GPU_ROWS, "split-one-round": SPLIT_ONE_ROUND_ROWS}
+ROW_SETS = {"gpu": GPU_ROWS, "split-one-round": SPLIT_ONE_ROUND_ROWS, "fused": FUSED_ROWS}
 
 
 def _sync() -> None:
@@ -299,7 +314,8 @@ def _device_profile(
 
 
 def measure(row: Row, warmup: int, runs: int, top: int) -> dict:
-    with mock.patch.dict(vars(hopper_prefill), row.hopper):  # the engine's graphs are made within
+    # The engine's graphs are made within the settings.
+    with mock.patch.dict(vars(hopper_prefill), row.hopper), mock.patch.dict(vars(engine_model), row.layer):
         llm = _engine(row)
         clock = StepClock(llm)
         host, wall, phases = [], [], []
@@ -352,7 +368,7 @@ def write_markdown(path: pathlib.Path, rows: list[dict], env: str) -> None:
     for r in rows:
         which = f"h {r['share']:.2f}" if r["kind"] == "prefill" else f"B {r['batch']}"
         graphs = Row(**_fields(r)).graphs + "".join(
-            f", {name} {value}" for name, value in r.get("hopper", ())
+            f", {name} {value}" for name, value in (*r.get("hopper", ()), *r.get("layer", ()))
         )
         lines.append(
             f"| {r['model']} | {r['kind']} | {r['tokens']} | {which} | {graphs} | "

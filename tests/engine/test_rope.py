@@ -1,10 +1,17 @@
-"""Rotary embeddings from the once-built tables against a float64 rotation of each (x1, x2) pair."""
+"""Rotary embeddings from the once-built tables against a float64 rotation of each (x1, x2) pair, and
+the one-kernel `split_rotary` (engine/rope_triton.py) against its torch form, bit for bit."""
 
+import inspect
+
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.model import DecoderLayer, ModelArgs, rope_tables, rotary
+from engine import rope as rope_torch
+from engine import rope_triton
+from engine.model import DecoderLayer, ModelArgs
+from engine.rope import rope_tables, rotary
 
 MAX_POSITIONS, BASE = 4096, 10000.0
 EPS32 = torch.finfo(torch.float32).eps
@@ -65,3 +72,79 @@ def test_layer_hands_attention_each_of_q_and_k_turned(heads, head_dim, dtype, se
     assert torch.equal(got_q, rotary(q.reshape(11, n_heads, head_dim), *rope))
     assert torch.equal(got_k, rotary(k.reshape(11, n_kv_heads, head_dim), *rope))
     assert torch.equal(got_v, v.reshape(11, n_kv_heads, head_dim))
+
+
+# The interpreter holds bfloat16 as raw bits (TRITON-CPU facts): float32 and float16 there, all three on
+# a GPU.
+SPLIT_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else [])
+
+
+def split_inputs(num_tokens, n_heads, n_kv_heads, head_dim, dtype, seed, device, pad=0):
+    """(qkv, cos, sin) of `split_rotary`: qkv's rows `pad` columns apart beyond its own (a view), cos and
+    sin rows of the tables at random positions."""
+    gen = torch.Generator().manual_seed(seed)
+    width = (n_heads + 2 * n_kv_heads) * head_dim
+    qkv = torch.randn(num_tokens, width + pad, generator=gen).to(dtype).to(device)[:, :width]
+    cos, sin = rope_tables(MAX_POSITIONS, head_dim, BASE, device)
+    pos = torch.randint(0, MAX_POSITIONS, (num_tokens,), generator=gen).to(device)
+    return qkv, cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)
+
+
+@given(
+    num_tokens=st.integers(0, 9),
+    heads=st.sampled_from([(1, 1), (4, 2), (6, 2), (32, 8)]),
+    head_dim=st.sampled_from([2, 6, 16, 128]),
+    dtype=st.sampled_from(SPLIT_DTYPES),
+    pad=st.sampled_from([0, 8]),
+    seed=st.integers(0, 2**16),
+)
+def test_split_rotary_kernel_equals_torch_form(device, num_tokens, heads, head_dim, dtype, pad, seed):
+    """The kernel's q, k and v are the torch form's bit for bit (each product and the sum rounded once
+    in float32, no fused multiply-add), each contiguous, for any head count (blocks of heads that end
+    inside q, k or v), head_dim (not a power of two too) and row stride."""
+    args = (*split_inputs(num_tokens, *heads, head_dim, dtype, seed, device, pad), *heads)
+    want = rope_torch.split_rotary(*args)
+    got = rope_triton.split_rotary(*args)
+    for name, g, w in zip("qkv", got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        assert g.is_contiguous(), name
+        assert torch.equal(g, w), f"{name}: {(g.float() - w.float()).abs().max().item()} off"
+
+
+def test_split_rotary_twins_share_signature():
+    assert inspect.signature(rope_triton.split_rotary) == inspect.signature(rope_torch.split_rotary)
+
+
+def _bad(edit):
+    qkv, cos, sin = split_inputs(3, 4, 2, 8, torch.float32, 0, "cpu")
+    return edit(dict(qkv=qkv, cos=cos, sin=sin, n_heads=4, n_kv_heads=2))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, names",
+    [
+        pytest.param(_bad(lambda a: {**a, "qkv": a["qkv"].tolist()}), TypeError, "qkv", id="qkv-list"),
+        pytest.param(_bad(lambda a: {**a, "qkv": a["qkv"].int()}), TypeError, "qkv", id="qkv-int"),
+        pytest.param(_bad(lambda a: {**a, "cos": a["cos"].double()}), TypeError, "cos", id="cos-float64"),
+        pytest.param(_bad(lambda a: {**a, "n_kv_heads": 3}), ValueError, "qkv", id="head-count"),
+        pytest.param(_bad(lambda a: {**a, "n_heads": 0}), ValueError, "n_heads", id="no-heads"),
+        pytest.param(_bad(lambda a: {**a, "qkv": a["qkv"][:2]}), ValueError, "qkv", id="token-count"),
+        pytest.param(_bad(lambda a: {**a, "cos": a["cos"][:, 0]}), ValueError, "cos", id="cos-2d"),
+        pytest.param(_bad(lambda a: {**a, "sin": a["sin"][:2]}), ValueError, "sin", id="sin-shape"),
+        pytest.param(
+            _bad(lambda a: {**a, "qkv": a["qkv"].t().contiguous().t()}), ValueError, "qkv", id="qkv-cols"
+        ),
+        pytest.param(
+            _bad(
+                lambda a: {**a, "qkv": a["qkv"][:, :42], "cos": a["cos"][..., :7], "sin": a["sin"][..., :7]}
+            ),
+            ValueError,
+            "even",
+            id="odd-head-dim",
+        ),
+    ],
+)
+@pytest.mark.parametrize("twin", [rope_torch, rope_triton], ids=["torch", "triton"])
+def test_split_rotary_refuses_bad_input(twin, kwargs, error, names):
+    with pytest.raises(error, match=names):
+        twin.split_rotary(**kwargs)
