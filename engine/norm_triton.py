@@ -54,15 +54,16 @@ def add_layer_norm(x, residual, weight, bias, eps: float):
     rounding of the mean and variance).
 
     Args:
-        x: [num_tokens, dim], its columns adjacent (stride 1).
+        x: [num_tokens, dim].
         residual: x's shape and dtype, or None (no sum: x itself is normalized).
-        weight, bias: [dim], the norm's affine factors, contiguous.
+        weight, bias: [dim], the norm's affine factors.
         eps: added to each row's variance.
     Returns:
         h = x + residual (x when residual is None) and layer_norm(h) [num_tokens, dim], x's dtype.
     """
     validate_add_layer_norm(x, residual, weight, bias, eps)
     num_tokens, dim = x.shape
+    # The kernel steps through a row's columns one element at a time (the model's rows already are so).
     x, weight, bias = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, weight, bias))
     h = x if residual is None else x.new_empty(num_tokens, dim)
     if residual is not None and residual.stride(-1) != 1:

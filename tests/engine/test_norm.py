@@ -17,13 +17,19 @@ EPS32 = torch.finfo(torch.float32).eps
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else [])
 
 
-def norm_inputs(num_tokens, dim, dtype, residual, offset, seed, device):
+def norm_inputs(num_tokens, dim, dtype, residual, offset, seed, device, layout="contiguous"):
+    """(x, residual, weight, bias, eps) of `add_layer_norm`; x a view with rows 8 columns apart beyond
+    its own ("rows"), or transposed storage ("columns"), as `layout` says."""
     gen = torch.Generator().manual_seed(seed)
 
     def draw(*shape, shift=0.0):
         return (torch.randn(*shape, generator=gen) + shift).to(dtype).to(device)
 
-    x = draw(num_tokens, dim, shift=offset)
+    x = draw(num_tokens, dim + 8, shift=offset)[:, :dim]
+    if layout == "contiguous":
+        x = x.contiguous()
+    elif layout == "columns":
+        x = x.t().contiguous().t()
     return x, draw(num_tokens, dim) if residual else None, draw(dim), draw(dim), 1e-5
 
 
@@ -33,15 +39,16 @@ def norm_inputs(num_tokens, dim, dtype, residual, offset, seed, device):
     dtype=st.sampled_from(DTYPES),
     residual=st.booleans(),
     offset=st.sampled_from([0.0, 3.0]),
+    layout=st.sampled_from(["contiguous", "rows", "columns"]),
     seed=st.integers(0, 2**16),
 )
 @pytest.mark.parametrize("twin", [norm, norm_triton], ids=["torch", "triton"])
-def test_add_layer_norm_against_float64(twin, device, num_tokens, dim, dtype, residual, offset, seed):
+def test_add_layer_norm_against_float64(twin, device, num_tokens, dim, dtype, residual, offset, layout, seed):
     """h is x + residual rounded once to the dtype (torch's sum, bit for bit); y is within one unit of
     the dtype's last place plus float32's rounding of the row's mean and variance (pairwise sums of at
     most 4096 terms: a few dozen eps32 of the row's scale, carried through rstd and weight) of the
-    float64 LayerNorm of that h."""
-    x, r, w, b, eps = norm_inputs(num_tokens, dim, dtype, residual, offset, seed, device)
+    float64 LayerNorm of that h; for x of any strides."""
+    x, r, w, b, eps = norm_inputs(num_tokens, dim, dtype, residual, offset, seed, device, layout)
     h, y = twin.add_layer_norm(x, r, w, b, eps)
     want_h = x if r is None else x + r
     assert h.dtype == y.dtype == x.dtype and h.shape == y.shape == x.shape
