@@ -98,12 +98,15 @@ def encode_page(token_ids: tuple[int, ...] | list[int], extra_keys: tuple) -> by
     return b"".join([tokens, struct.pack("<Q", len(extra_keys)), *map(_encode, extra_keys)])
 
 
-def encode_pages(token_ids: list[int], page_size: int) -> list[bytes]:
-    """`encode_page(page, ())` of each page of `token_ids` (whole pages), built at once."""
-    packed = struct.pack(f"<{len(token_ids)}q", *token_ids)  # several times faster than np.array(list)
-    rows = np.zeros((len(token_ids) // page_size, page_size + 2), "<i8")  # last column: no extra keys
+def encode_pages(token_ids: list[int] | memoryview, page_size: int) -> list[bytes]:
+    """`encode_page(page, ())` of each page of `token_ids` (whole pages), built at once: a list of ints,
+    or the same ids already packed as int64 little-endian bytes (`Sequence.packed_prompt`)."""
+    if isinstance(token_ids, list):
+        token_ids = struct.pack(f"<{len(token_ids)}q", *token_ids)  # several times faster than np.array(list)
+    ids = np.frombuffer(token_ids, "<i8")
+    rows = np.zeros((ids.shape[0] // page_size, page_size + 2), "<i8")  # last column: no extra keys
     rows[:, 0] = page_size
-    rows[:, 1:-1] = np.frombuffer(packed, "<i8").reshape(-1, page_size)
+    rows[:, 1:-1] = ids.reshape(-1, page_size)
     # Each row viewed as one opaque item: tolist() then makes a bytes object a row, cheaper than slicing.
     return rows.view(f"V{rows.itemsize * rows.shape[1]}").ravel().tolist()
 
@@ -188,7 +191,11 @@ class BlockPool:
             encoded.append(encode_page(tokens[:size], (seq.cache_salt,)))
             start = size
         if start < stop:
-            encoded += encode_pages(tokens[start:stop], size)
+            prompt = seq.packed_prompt  # the prompt's pages from admission's packing, the others packed here
+            if prompt is not None and stop * 8 <= len(prompt):
+                encoded += encode_pages(memoryview(prompt)[start * 8 : stop * 8], size)
+            else:
+                encoded += encode_pages(tokens[start:stop], size)
         parent = keys[-1] if keys else self.seed_hash
         for page in encoded[len(keys) :]:
             parent = page_digest(parent, page)

@@ -291,9 +291,9 @@ class DecodeGraph(StepGraph):
 class PrefillGraph(StepGraph):
     """The graph of steps of at most `tokens` tokens over at most `seqs` sequences, each computing at least
     two tokens (one-token rows take `paged_decode`): the prefill plans, made at capture over `seqs`
-    sequences, one of the cache's whole capacity, are replanned every step (`PrefillPlan.replan`) and keep
-    their launches. Only for plans that say so (`fixed_launch`), or under `rerun_capture`, which runs
-    them again; `supported` is False otherwise."""
+    sequences, one of the cache's whole capacity, are replanned every step (`PrefillPlan.replan`), each
+    just before the first layer segment that uses it, and keep their launches. Only for plans that say so
+    (`fixed_launch`), or under `rerun_capture`, which runs them again; `supported` is False otherwise."""
 
     def __init__(self, runner, tokens: int, seqs: int, capture, pool):
         from engine.model_runner import AttentionMetadata  # the runner imports this module
@@ -341,7 +341,14 @@ class PrefillGraph(StepGraph):
         self.supported = max(share) <= capacity and self._capture(
             runner, meta, inputs, dev["logits_rows"], capture, pool
         )
-        self.plans = [plan for key, plan in meta.plans.items() if key[0] == "prefill"]
+        # Each segment's prefill plans first used there, replanned just before its replay: the GPU runs the
+        # first segment (layer 0, the sparse layout's plan) while the host replans the dense layout's.
+        layouts, seen = runner.model.layouts, set()
+        self.segment_plans = []
+        for layers in segments(len(layouts)) if self.supported else []:
+            keys = {("prefill", id(layouts[i])) for i in layers} & meta.plans.keys()
+            self.segment_plans.append([meta.plans[key] for key in sorted(keys - seen)])
+            seen |= keys
 
     def _replayable(self, plans: dict, capture) -> bool:
         return capture is rerun_capture or all(
@@ -365,9 +372,11 @@ class PrefillGraph(StepGraph):
         for b, item in enumerate(batch):
             self.inputs.pack("tables", item.seq.block_table, b * self.width)
         self.inputs.copy("tables", (len(batch) - 1) * self.width + len(batch[-1].seq.block_table))
-        for plan in self.plans:
-            plan.replan(lens, starts)
-        return self._replay(len(samples))
+        for replay, plans in zip(self.replays, self.segment_plans, strict=True):
+            for plan in plans:
+                plan.replan(lens, starts)
+            replay()
+        return self.logits[: len(samples)], self.pairs[: len(samples)]
 
 
 class PieceGraphs:

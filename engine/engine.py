@@ -12,14 +12,15 @@ from engine.scheduler import Scheduler
 from engine.sequence import RequestOutput, SamplingParams, Sequence, SequenceStatus
 
 
-def _extremes(token_ids: list[int]) -> tuple[int, int]:
-    """min and max of ints: packed and reduced by numpy, a third of Python's min and max on a 2k prompt
-    (a request's fixed host cost, paid at every hit share); Python's beyond int64."""
+def _packed(token_ids: list[int]) -> bytes | None:
+    """The ids as int64 little-endian bytes (one `struct` call, the fastest conversion of Python ints), or
+    None where one lies beyond int64. Admission checks their extremes on them, and the block pool encodes
+    the prompt's pages from them (`Sequence.packed_prompt`): a request's fixed host cost, paid at every hit
+    share."""
     try:
-        packed = np.frombuffer(struct.pack(f"<{len(token_ids)}q", *token_ids), np.int64)
+        return struct.pack(f"<{len(token_ids)}q", *token_ids)
     except struct.error:
-        return min(token_ids), max(token_ids)
-    return int(packed.min()), int(packed.max())
+        return None
 
 
 class LLM:
@@ -48,7 +49,8 @@ class LLM:
         self._done: dict[int, Sequence] = {}
         self._ahead = None  # (batch, LaunchedStep) of a step launched by the last `step`, unread
 
-    def _check_prompt(self, prompt, params: SamplingParams, cache_salt) -> list[int]:
+    def _check_prompt(self, prompt, params: SamplingParams, cache_salt) -> tuple[list[int], bytes]:
+        """The prompt as a list and `_packed`, once checked; TypeError/ValueError naming what is wrong."""
         if not isinstance(prompt, (list, tuple)):
             raise TypeError(f"a prompt must be a list of token ids, got {type(prompt).__name__}")
         if not prompt:
@@ -57,7 +59,12 @@ class LLM:
         if set(map(type, prompt)) != {int}:  # bool and other int subclasses are not token ids
             bad = next(t for t in prompt if type(t) is not int)
             raise TypeError(f"token ids must be ints, got {type(bad).__name__}")
-        lowest, highest = _extremes(prompt)
+        packed = _packed(prompt)
+        if packed is None:
+            lowest, highest = min(prompt), max(prompt)
+        else:
+            ids = np.frombuffer(packed, np.int64)
+            lowest, highest = int(ids.min()), int(ids.max())
         if lowest < 0 or highest >= vocab:
             bad = lowest if lowest < 0 else highest
             raise ValueError(f"token id {bad} lies outside the vocabulary [0, {vocab})")
@@ -70,7 +77,7 @@ class LLM:
                 f"a prompt of {len(prompt)} tokens with max_tokens={params.max_tokens} needs {needed} pages, "
                 f"the whole cache has {self.config.num_pages}"
             )
-        return list(prompt)
+        return list(prompt), packed
 
     def add_request(self, prompt: list[int], params: SamplingParams | None = None, cache_salt=None) -> int:
         """Queues one request (validated first) and returns its id."""
@@ -79,8 +86,9 @@ class LLM:
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         return self._add(self._check_prompt(prompt, params, cache_salt), params, cache_salt)
 
-    def _add(self, tokens: list[int], params: SamplingParams, cache_salt) -> int:
-        seq = Sequence(self._next_id, tokens, params, cache_salt)
+    def _add(self, checked: tuple[list[int], bytes], params: SamplingParams, cache_salt) -> int:
+        tokens, packed = checked
+        seq = Sequence(self._next_id, tokens, params, cache_salt, packed_prompt=packed)
         self._next_id += 1
         self.scheduler.add(seq)
         return seq.seq_id

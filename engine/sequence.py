@@ -58,6 +58,9 @@ class Sequence:
     num_computed_tokens: int = 0
     num_offered_pages: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit at the first scheduling
+    # The prompt's ids as int64 little-endian bytes, where admission packed them (`LLM._check_prompt`):
+    # the block pool encodes the prompt's pages from them rather than packing the ids again.
+    packed_prompt: bytes | None = field(default=None, repr=False)
     num_preemptions: int = 0
     page_keys: list = field(default_factory=list)
     encoded_pages: list = field(default_factory=list)

@@ -5,6 +5,7 @@ same scheduler (tests/engine/test_engine.py) can run on either one.
 """
 
 import hashlib
+import struct
 from unittest.mock import patch
 
 import pytest
@@ -194,11 +195,15 @@ def test_block_pool_hash_is_chained_and_salted():
     size=st.integers(1, 8),
     cut=st.integers(0, 60),
     salt=st.one_of(st.none(), st.text(max_size=3)),
+    packed=st.booleans(),
 )
-def test_page_keys_are_the_chain_of_hash_page(tokens, size, cut, salt):
-    """The batched page keys, built in two steps as a sequence grows, equal hash_page page by page."""
+def test_page_keys_are_the_chain_of_hash_page(tokens, size, cut, salt, packed):
+    """The batched page keys, built in two steps as a sequence grows, equal hash_page page by page,
+    whether the prompt's ids came packed from admission (`Sequence.packed_prompt`) or not."""
     pool = BlockPool(num_pages=1, page_size=size)
-    seq = Sequence(0, tokens[:cut], SamplingParams(), cache_salt=salt)
+    prompt = tokens[:cut]
+    packed_prompt = struct.pack(f"<{len(prompt)}q", *prompt) if packed else None
+    seq = Sequence(0, prompt, SamplingParams(), cache_salt=salt, packed_prompt=packed_prompt)
     pool.page_keys(seq)
     seq.token_ids.extend(tokens[cut:])
     want, parent = [], pool.seed_hash
