@@ -66,26 +66,30 @@ def engine() -> LLM:
     )
 
 
-def timed_request(llm: LLM, length: int, share: float, run: int) -> float:
-    """ms of one generate() of a `length`-token prompt whose first share*length tokens were cached."""
+def timed_request(llm: LLM, length: int, share: float, run: int, clock: "Clock | None" = None) -> tuple:
+    """(start, end) perf_counter s of one generate() of a `length`-token prompt whose first share*length
+    tokens were cached (bench_engine's prompts); `clock` emptied just before it."""
     rng = random.Random(length * 1000 + run)
     prompt = [rng.randrange(llm.args.vocab_size) for _ in range(length)]
     llm.reset_prefix_cache()
     if share:
         llm.generate([prompt[: int(share * length)]], SamplingParams(max_tokens=1))
     torch.cuda.synchronize()
+    if clock is not None:
+        clock.spent.clear()
+        clock.marks.clear()
     start = time.perf_counter()
     llm.generate([prompt], SamplingParams(max_tokens=1))
     torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e3
+    return start, time.perf_counter()
 
 
 def ttft(llm: LLM, tag: str) -> None:
     for length in PROMPTS:
         base = None
         for share in (0.0, HIT):
-            times = [timed_request(llm, length, share, run) for run in range(RUNS)]
-            median = statistics.median(times[WARMUP:])
+            spans = [timed_request(llm, length, share, run) for run in range(RUNS)]
+            median = statistics.median(1e3 * (end - start) for start, end in spans[WARMUP:])
             base = base or median
             print(f"ttft {tag} L={length} h={share}: {median:.2f} ms, ratio {median / base:.4f}", flush=True)
 
@@ -134,17 +138,7 @@ def phases(llm: LLM, clock: Clock, tag: str) -> None:
     for length in PROMPTS:
         rows = []
         for run in range(RUNS):
-            rng = random.Random(length * 1000 + 100 + run)
-            prompt = [rng.randrange(llm.args.vocab_size) for _ in range(length)]
-            llm.reset_prefix_cache()
-            llm.generate([prompt[: int(HIT * length)]], SamplingParams(max_tokens=1))
-            torch.cuda.synchronize()
-            clock.spent.clear()
-            clock.marks.clear()
-            start = time.perf_counter()
-            llm.generate([prompt], SamplingParams(max_tokens=1))
-            torch.cuda.synchronize()
-            end = time.perf_counter()
+            start, end = timed_request(llm, length, HIT, 100 + run, clock)  # other prompts than ttft's
             row = {path: s * 1e3 for path, s in clock.spent.items()}
             row["ttft"] = (end - start) * 1e3
             row["until the first replay"] = (clock.marks["first"] - start) * 1e3
