@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import reference
-from engine import linear_triton, norm, norm_triton, rope_triton
+from engine import norm, norm_triton, rope_triton
 from engine.rope import rope_tables, split_rotary
 
 # Query weights are scaled up so that, with the muP scale 1/head_dim, scores are O(1) at init:
@@ -28,12 +28,6 @@ LOGIT_GAIN = 4.0
 # (reports/engine_steps.py --rows fused) turns each off.
 FUSED_ROTARY = True
 FUSED_NORM = True
-# A projection runs engine/linear_triton.py's kernel at the row counts where it measured faster than
-# cuBLAS on the device (`linear_triton.ROWS`), cuBLAS elsewhere.
-MEASURED_LINEAR = True
-# The projections whose weights [out, in] are stored column-major (each a transposed view of an [in, out]
-# row-major tensor), read at `init_weights`: cuBLAS then multiplies them as x @ W with other kernels.
-COLUMN_MAJOR: tuple[str, ...] = ()
 
 MODEL_CONFIGS = {
     "tiny": dict(
@@ -140,21 +134,15 @@ class DecoderLayer(nn.Module):
         """q [num_tokens, n_heads, head_dim] and k, v [num_tokens, n_kv_heads, head_dim] of hidden states
         h [num_tokens, dim], q and k rotated (engine/rope.py's `split_rotary`)."""
         _, x = self._norm(h, None, self.attn_norm)
-        qkv = self._project(self.qkv, x)
+        qkv = self.qkv(x)
         split = rope_triton.split_rotary if FUSED_ROTARY and qkv.is_cuda else split_rotary
         return split(qkv, *rope, self.args.n_heads, self.args.n_kv_heads)
 
     def finish(self, h, o):
         """The layer's output [num_tokens, dim] from its input h and attention's o [num_tokens, n_heads,
         head_dim]."""
-        h, x = self._norm(h, self._project(self.out, o.reshape(h.shape[0], -1)), self.mlp_norm)
-        return h + self._project(self.down, nn.functional.gelu(self._project(self.up, x)))
-
-    @staticmethod
-    def _project(linear: nn.Linear, x):
-        """linear(x) for x [num_tokens, in_features], by `linear_triton.linear` where `ROWS` holds a tile."""
-        tile = linear_triton.measured_tile(x, linear.weight) if MEASURED_LINEAR else None
-        return linear(x) if tile is None else linear_triton.linear(x, linear.weight, tile)
+        h, x = self._norm(h, self.out(o.reshape(h.shape[0], -1)), self.mlp_norm)
+        return h + self.down(nn.functional.gelu(self.up(x)))
 
     @staticmethod
     def _norm(x, residual, layer_norm: nn.LayerNorm):
@@ -199,12 +187,7 @@ class Decoder(nn.Module):
         self.lm_head.weight.mul_(LOGIT_GAIN)
         # Plain attributes, not buffers: `to(dtype=...)` would round them to the weights' dtype.
         self.rope = rope_tables(self.max_positions, self.args.head_dim, self.args.rope_base, device)
-        self.to(dtype=dtype)
-        for layer in self.layers:
-            for name in COLUMN_MAJOR:
-                weight = getattr(layer, name).weight
-                weight.data = weight.data.t().contiguous().t()
-        return self
+        return self.to(dtype=dtype)
 
     @torch.no_grad()
     def forward(self, input_ids, positions, attend: Callable, logits_index: torch.Tensor):

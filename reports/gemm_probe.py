@@ -10,12 +10,8 @@ weight copies (more bytes than the L2 holds, so each call reads its weight from 
 median of 15 replays; `hbm_bound_us` is the weight's bytes at 3.35 TB/s (an H100's HBM). A Triton
 result more than 1% off float32's is dropped (printed).
 
-With `--sweep`: engine/linear_triton.py's kernel with each of SWEEP_TILES against cuBLAS, at every
-prefill bucket of the engine's graphs up to 2048 rows, and the table of row counts where a tile wins
-(`linear_triton.ROWS`'s entries for the device: N,K -> [rows from, rows to, tile]).
-
-`python3 -m reports.gemm_probe [--rows 208,832 | --sweep] [--out FILE.json]` (a GPU; a few minutes:
-each configuration compiles once).
+`python3 -m reports.gemm_probe [--rows 208,832] [--out FILE.json]` (a GPU; a few minutes: each
+configuration compiles once).
 """
 
 import argparse
@@ -29,32 +25,11 @@ import torch
 import triton
 import triton.language as tl
 
-from engine import linear_triton
-from engine.cuda_graphs import PIECE_TOKEN_BUCKETS
-
 WEIGHTS = {"qkv": (6144, 4096), "out": (4096, 4096), "up": (8192, 4096), "down": (4096, 8192)}  # N, K
 COPIES, REPLAYS = 6, 24
 HBM_BYTES_PER_S = 3.35e12
 BLOCKS, K_BLOCKS, STAGES, WARPS = (64, 128, 256), (64, 128), (3, 4, 5), (4, 8)
 SMEM_BYTES = 200 * 1024
-# --sweep: engine/linear_triton.py's kernel with these tiles (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps),
-# the probe's fastest at 208 and 832 rows and smaller ones for fewer rows; a tile goes into the engine's
-# table where it beats cuBLAS by SWEEP_MARGIN.
-SWEEP_TILES = (
-    (128, 128, 64, 3, 8),
-    (128, 128, 64, 4, 8),
-    (128, 128, 64, 5, 8),
-    (128, 256, 64, 3, 8),
-    (256, 128, 64, 3, 8),
-    (64, 128, 128, 4, 4),
-    (64, 128, 64, 4, 4),
-    (64, 128, 64, 3, 4),
-    (64, 64, 64, 4, 4),
-    (32, 128, 128, 4, 4),
-    (16, 128, 128, 4, 4),
-    (16, 64, 256, 3, 4),
-)
-SWEEP_MARGIN = 0.05
 
 
 @triton.jit
@@ -144,6 +119,7 @@ def time_call(fn, xs, ws, ys) -> float:
 
 
 def measure(rows: list[int]) -> list[dict]:
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     torch.manual_seed(0)
     results = []
     for name, (N, K) in WEIGHTS.items():
@@ -177,68 +153,12 @@ def measure(rows: list[int]) -> list[dict]:
     return results
 
 
-def sweep(rows: list[int]) -> list[dict]:
-    """cuBLAS against engine/linear_triton.py's kernel with each of SWEEP_TILES, each weight at each row
-    count, as `measure` times them."""
-    torch.manual_seed(0)
-    results = []
-    for name, (N, K) in WEIGHTS.items():
-        ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / 64 for _ in range(COPIES)]
-        for M in rows:
-            xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(COPIES)]
-            ys = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(COPIES)]
-            row = dict(weight=name, M=M, N=N, K=K, cublas_us=time_call(cublas, xs, ws, ys), tiles={})
-            for tile in SWEEP_TILES:
-                try:
-                    row["tiles"][",".join(map(str, tile))] = time_call(
-                        lambda x, w, y, tile=tile: linear_triton.linear(x, w, tile), xs, ws, ys
-                    )
-                except triton.runtime.errors.OutOfResources as error:
-                    print(f"skipped: {name} M={M} {tile}: {error}")
-            best = min(row["tiles"], key=row["tiles"].get)
-            row["best"], row["best_over_cublas"] = best, row["tiles"][best] / row["cublas_us"]
-            results.append(row)
-            ratio = row["best_over_cublas"]
-            print(f"{name} M={M}: cuBLAS {row['cublas_us']:.1f} µs, best {best} x{ratio:.3f}", flush=True)
-    return results
-
-
-def proposed_rows(results: list[dict]) -> dict:
-    """`linear_triton.ROWS`'s entries for this device: for each weight, the row counts up to each swept
-    one (from the one before it) where the best tile beats cuBLAS by SWEEP_MARGIN."""
-    table = {}
-    for name, (N, K) in WEIGHTS.items():
-        low, ranges = 1, []
-        for row in sorted((r for r in results if r["weight"] == name), key=lambda r: r["M"]):
-            if row["best_over_cublas"] <= 1 - SWEEP_MARGIN:
-                tile = tuple(map(int, row["best"].split(",")))
-                if ranges and ranges[-1][1] == low - 1 and ranges[-1][2] == tile:
-                    ranges[-1][1] = row["M"]
-                else:
-                    ranges.append([low, row["M"], tile])
-            low = row["M"] + 1
-        if ranges:
-            table[f"{N},{K}"] = ranges
-    return table
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="208,832", help="row counts M, comma-separated")
-    parser.add_argument("--sweep", action="store_true", help="the engine's kernel at its prefill buckets")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("gemm-probe.json"))
     args = parser.parse_args(argv)
     start = time.time()
-    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-    if args.sweep:
-        results = sweep([m for m in PIECE_TOKEN_BUCKETS if m <= 2048])
-        env = dict(device=torch.cuda.get_device_name(), capability=torch.cuda.get_device_capability())
-        env.update(torch=torch.__version__, triton=triton.__version__, margin=SWEEP_MARGIN)
-        table = proposed_rows(results)
-        print("proposed ROWS:", json.dumps(table))
-        env.update(wall_s=time.time() - start, rows=table)
-        args.out.write_text(json.dumps(dict(**env, sweep=results)) + "\n")
-        return
     rows = measure([int(m) for m in args.rows.split(",")])
     env = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     args.out.write_text(json.dumps(dict(**env, wall_s=time.time() - start, rows=rows), indent=1) + "\n")
