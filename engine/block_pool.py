@@ -13,6 +13,9 @@ Policy:
       whatever the hash function, and no prefix is ever compared again.
     - Lookup walks a request's page keys in order and stops at the first miss; it never returns more
       than `(num_tokens - 1) // page_size` pages (the last token is always computed).
+    - A cached page's key is known: `digests` maps the digest's input (parent hash, encoded page) of
+      each cached page to its key, so a request's keys cost sha256 only for the pages the cache does
+      not hold (a hit's keys are the same sha256 chain, read instead of recomputed).
     - Free pages form an LRU queue. Hits are touched (ref_count += 1, out of the queue) before new
       pages are taken; a new page is the least recently freed one and its key is evicted lazily then;
       `free` releases a block table in reverse order so a sequence's tail is evicted before its prefix.
@@ -32,6 +35,7 @@ Invariants (`check_invariants`):
     - ref_count >= 0, and ref_count == 0 <=> the page is in the LRU queue;
     - every entry of the hash map points to a page (live or in the LRU queue) whose key is that entry,
       and a cached page's key holds the page's node, which spells the page's content;
+    - `digests` holds an entry for each cached page and no other: its key's digest input, to its key;
     - free + in use == num_pages.
 """
 
@@ -63,10 +67,17 @@ class PrefixNode:
 
 @dataclass(slots=True)
 class PageKey:
-    """A cached page's entry: its hash and the node of the prefix it holds."""
+    """A cached page's entry: its hash, the node of the prefix it holds and its parent's hash (with the
+    node's encoding, the input of its digest)."""
 
     hash: bytes
     node: PrefixNode
+    parent: bytes
+
+    @property
+    def digest_input(self) -> tuple[bytes, bytes]:
+        """Its entry's key in `BlockPool.digests`."""
+        return self.parent, self.node.encoded
 
 
 def _encode(value) -> bytes:
@@ -158,6 +169,7 @@ class BlockPool:
     pages: list[Page] = field(init=False)
     lru: OrderedDict = field(init=False)  # page_id -> None, least recently freed first
     cached: dict = field(init=False)  # hash -> page_id
+    digests: dict = field(init=False)  # (parent hash, encoded page) -> hash, of each cached page
     prefix_nodes: dict = field(init=False)  # hash -> weakref.ref of a node of that hash
     _sweep_at: int = field(init=False)  # len(prefix_nodes) that triggers dropping its dead entries
     stats: PoolStats = field(init=False)
@@ -167,6 +179,7 @@ class BlockPool:
         self.pages = [Page(i) for i in range(self.num_pages)]
         self.lru = OrderedDict((i, None) for i in range(self.num_pages))
         self.cached = {}
+        self.digests = {}
         self.prefix_nodes = {}
         self._sweep_at = 2 * self.num_pages
         self.stats = PoolStats()
@@ -196,9 +209,10 @@ class BlockPool:
                 encoded += encode_pages(memoryview(prompt)[start * 8 : stop * 8], size)
             else:
                 encoded += encode_pages(tokens[start:stop], size)
-        parent = keys[-1] if keys else self.seed_hash
+        parent, known = keys[-1] if keys else self.seed_hash, self.digests.get
         for page in encoded[len(keys) :]:
-            parent = page_digest(parent, page)
+            key = known((parent, page))
+            parent = page_digest(parent, page) if key is None else key
             keys.append(parent)
         return keys
 
@@ -252,6 +266,7 @@ class BlockPool:
             page = pages[page_id]
             if page.key is not None:  # lazy eviction
                 del self.cached[page.key.hash]
+                del self.digests[page.key.digest_input]
                 page.key = None
                 self.stats.evictions += 1
             page.node = None
@@ -292,8 +307,9 @@ class BlockPool:
                     new = PrefixNode(parent, tokens, extra_keys, seq.encoded_pages[i])
                     page.node = self._prefix_node(keys[i], new)
                 if page.key is None and keys[i] not in self.cached:
-                    page.key = PageKey(keys[i], page.node)
+                    page.key = PageKey(keys[i], page.node, keys[i - 1] if i else self.seed_hash)
                     self.cached[keys[i]] = page.page_id
+                    self.digests[page.key.digest_input] = keys[i]
                 parent = page.node
         seq.num_offered_pages = max(first, num_full)
 
@@ -314,6 +330,7 @@ class BlockPool:
         for page in self.pages:
             page.key = page.node = None
         self.cached.clear()
+        self.digests.clear()
         self.prefix_nodes.clear()
         return True
 
@@ -328,6 +345,12 @@ class BlockPool:
             key = self.pages[page_id].key
             if key is None or key.hash != h:
                 raise AssertionError(f"hash map entry points to page {page_id} with another key")
+            if self.digests.get(key.digest_input) != h or page_digest(*key.digest_input) != h:
+                raise AssertionError(
+                    f"page {page_id}: its key is not the known digest of its parent and page"
+                )
+        if len(self.digests) != len(self.cached):
+            raise AssertionError("a known digest is not a cached page's key")
         in_use = sum(1 for p in self.pages if p.ref_count > 0)
         if in_use + len(self.lru) != self.num_pages:
             raise AssertionError("free + in use != num_pages")

@@ -8,14 +8,16 @@ does; the second way gives every cached page another parent chain, the case wher
 that compares whole prefixes costs O(N^2). Each part is timed on its own fresh request, as the median
 of many repetitions after warm-up, taken in rounds interleaved over all rows (the machine is shared):
 
-    hash      `BlockPool.page_keys`: the chained sha256 of every full page;
+    hash      `BlockPool.page_keys`: the chained sha256 key of every full page (a cached page's read from
+              `BlockPool.digests`, the others hashed);
     lookup    `BlockPool.lookup` with the keys built: hash map walk and collision defence;
     allocate  `can_allocate` and `allocate`: touching the hits, taking the new pages;
     total     `Scheduler.schedule()` admitting the request, all of the above included;
     rest      total - hash - lookup - allocate: the scheduler's own work.
 
 Beside them, `sha256` times 512 chained hashlib.sha256 digests of one page's encoding alone: the floor of
-*hash* on this machine at this moment (contract §6 names sha256), for reading the rows against.
+*hash* for a request with no page cached, on this machine at this moment (contract §6 names sha256), for
+reading the rows against.
 
 Targets (issue: host cost of admission): linear in pages, and total <= 0.5 ms for 512 pages.
 `python -m reports.bench_host [--out DIR]` writes DIR/admission.md and DIR/admission.json
@@ -248,7 +250,8 @@ def write_markdown(path: pathlib.Path, rows: list[dict], verdict: dict, env: dic
         f"- {TARGET_PAGES} pages admitted in <= {TARGET_MS} ms: {target} "
         f"(worst case {verdict['worst_target_ms']:.3f} ms).",
         f"- sha256 alone, {TARGET_PAGES} chained digests of a page's encoding: {verdict['sha256_ms']:.3f} ms "
-        f"({verdict['sha256_ms'] * 1e3 / TARGET_PAGES:.2f} us a page), the floor of *hash* here.",
+        f"({verdict['sha256_ms'] * 1e3 / TARGET_PAGES:.2f} us a page), the floor of *hash* here with no page "
+        "cached.",
     ]
     path.write_text("\n".join(lines) + "\n")
 

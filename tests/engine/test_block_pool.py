@@ -213,6 +213,56 @@ def test_page_keys_are_the_chain_of_hash_page(tokens, size, cut, salt, packed):
     assert pool.page_keys(seq) == want
 
 
+@given(
+    data=st.data(),
+    page_size=st.integers(1, 3),
+    num_pages=st.integers(2, 12),
+    num_requests=st.integers(1, 8),
+)
+def test_page_keys_hash_only_the_pages_the_cache_does_not_hold(data, page_size, num_pages, num_requests):
+    """A request's keys are the sha256 chain whatever the cache holds, evictions included, and sha256 runs
+    once for each of its pages whose key is not cached (`BlockPool.digests` knows the others)."""
+    honest, calls = block_pool.page_digest, []
+
+    def counted(parent: bytes, encoded: bytes) -> bytes:
+        calls.append(encoded)
+        return honest(parent, encoded)
+
+    with patch.object(block_pool, "page_digest", counted):
+        pool, live, prompts, known = BlockPool(num_pages, page_size), [], [[]], 0
+        for n in range(num_requests):
+            earlier = data.draw(st.sampled_from(prompts))  # a shared prefix, as a conversation's turns
+            tokens = earlier[: data.draw(st.integers(0, len(earlier)))] + data.draw(pool_prompts(page_size))
+            prompts.append(tokens)
+            salt = data.draw(st.sampled_from((None, "s")))
+            seq = Sequence(n, tokens, SamplingParams(), salt)
+            want, parent = [], pool.seed_hash
+            for i in range(len(tokens) // page_size):
+                page = block_pool.encode_page(
+                    tokens[i * page_size : (i + 1) * page_size], (salt,) if i == 0 else ()
+                )
+                parent = honest(parent, page)
+                want.append(parent)
+            calls.clear()
+            assert pool.page_keys(seq) == want
+            assert len(calls) == sum(key not in pool.cached for key in want)
+            known += len(want) - len(calls)
+            hits = pool.lookup(seq)
+            need = pages_for(len(tokens), page_size) - len(hits)
+            while live and not pool.can_allocate(hits, need):
+                pool.free(live.pop(0).block_table)
+            if not pool.can_allocate(hits, need):
+                continue
+            seq.block_table = pool.allocate(hits, need, len(tokens))
+            seq.num_offered_pages, seq.num_computed_tokens = len(hits), len(tokens)
+            pool.cache_full_pages(seq)
+            pool.check_invariants()
+            live.append(seq)
+            if data.draw(st.booleans()):
+                pool.free(live.pop(0).block_table)
+    event("a page's key known" if known else "no key known")
+
+
 def test_block_pool_collision_caught_by_token_check(monkeypatch):
     monkeypatch.setattr(block_pool, "page_digest", lambda parent, encoded: b"\0" * 32)
     pool = BlockPool(num_pages=8, page_size=2)
