@@ -247,17 +247,8 @@ def test_page_keys_hash_only_the_pages_the_cache_does_not_hold(data, page_size, 
             assert pool.page_keys(seq) == want
             assert len(calls) == sum(key not in pool.cached for key in want)
             known += len(want) - len(calls)
-            hits = pool.lookup(seq)
-            need = pages_for(len(tokens), page_size) - len(hits)
-            while live and not pool.can_allocate(hits, need):
-                pool.free(live.pop(0).block_table)
-            if not pool.can_allocate(hits, need):
+            if not admitted(pool, seq, pool.lookup(seq), live):
                 continue
-            seq.block_table = pool.allocate(hits, need, len(tokens))
-            seq.num_offered_pages, seq.num_computed_tokens = len(hits), len(tokens)
-            pool.cache_full_pages(seq)
-            pool.check_invariants()
-            live.append(seq)
             if data.draw(st.booleans()):
                 pool.free(live.pop(0).block_table)
     event("a page's key known" if known else "no key known")
@@ -305,6 +296,22 @@ def test_block_pool_touch_before_allocate():
     assert pool.allocate(hits, 2) == [0, 2, 1]
     assert pool.stats.evictions == 0 and pool.num_cached_pages == 1
     pool.check_invariants()
+
+
+def admitted(pool, seq: Sequence, hits: list[int], live: list[Sequence]) -> bool:
+    """Whether `seq` fit on `pool` after its `hits`, the oldest of `live` freed until it did; if so it is
+    allocated, computed in full (no model), its full pages offered, and appended to `live`."""
+    need = pages_for(len(seq.token_ids), pool.page_size) - len(hits)
+    while live and not pool.can_allocate(hits, need):
+        pool.free(live.pop(0).block_table)
+    if not pool.can_allocate(hits, need):
+        return False
+    seq.block_table = pool.allocate(hits, need, len(seq.token_ids))
+    seq.num_offered_pages, seq.num_computed_tokens = len(hits), len(seq.token_ids)
+    pool.cache_full_pages(seq)
+    pool.check_invariants()
+    live.append(seq)
+    return True
 
 
 def computed(pool, seq_id: int, tokens: list[int]) -> Sequence:
@@ -393,19 +400,11 @@ def test_block_pool_weak_hash_serves_only_true_prefixes(data, page_size, num_pag
             for i, page_id in enumerate(hits):
                 assert held.get(page_id) == (salt, tuple(tokens[: (i + 1) * page_size]))
             hits_served += len(hits)
-            need = pages_for(len(tokens), page_size) - len(hits)
-            while live and not pool.can_allocate(hits, need):
-                pool.free(live.pop(0).block_table)
-            if not pool.can_allocate(hits, need):
+            if not admitted(pool, seq, hits, live):
                 continue
-            seq.block_table = pool.allocate(hits, need, len(tokens))
             for i, page_id in enumerate(seq.block_table):
                 full = (i + 1) * page_size <= len(tokens)
                 held[page_id] = (salt, tuple(tokens[: (i + 1) * page_size])) if full else None
-            seq.num_offered_pages, seq.num_computed_tokens = len(hits), len(tokens)
-            pool.cache_full_pages(seq)
-            pool.check_invariants()
-            live.append(seq)
             if data.draw(st.booleans()):
                 pool.free(live.pop(0).block_table)
     event("a collision caught" if pool.stats.collisions else "no collision")
