@@ -190,6 +190,15 @@ def test_block_pool_hash_is_chained_and_salted():
     assert block_pool.engine_seed_hash(0) != block_pool.engine_seed_hash(1)
 
 
+def hash_page_chain(seed: bytes, tokens: list[int], size: int, salt) -> list[bytes]:
+    """The key of each full page of `tokens`, hash_page after hash_page from `seed`, the salt on the first."""
+    keys, parent = [], seed
+    for i in range(len(tokens) // size):
+        parent = block_pool.hash_page(parent, tokens[i * size : (i + 1) * size], (salt,) if i == 0 else ())
+        keys.append(parent)
+    return keys
+
+
 @given(
     tokens=st.lists(st.integers(0, 2**63 - 1), max_size=60),
     size=st.integers(1, 8),
@@ -206,11 +215,7 @@ def test_page_keys_are_the_chain_of_hash_page(tokens, size, cut, salt, packed):
     seq = Sequence(0, prompt, SamplingParams(), cache_salt=salt, packed_prompt=packed_prompt)
     pool.page_keys(seq)
     seq.token_ids.extend(tokens[cut:])
-    want, parent = [], pool.seed_hash
-    for i in range(len(tokens) // size):
-        parent = block_pool.hash_page(parent, tokens[i * size : (i + 1) * size], (salt,) if i == 0 else ())
-        want.append(parent)
-    assert pool.page_keys(seq) == want
+    assert pool.page_keys(seq) == hash_page_chain(pool.seed_hash, tokens, size, salt)
 
 
 @given(
@@ -236,14 +241,8 @@ def test_page_keys_hash_only_the_pages_the_cache_does_not_hold(data, page_size, 
             prompts.append(tokens)
             salt = data.draw(st.sampled_from((None, "s")))
             seq = Sequence(n, tokens, SamplingParams(), salt)
-            want, parent = [], pool.seed_hash
-            for i in range(len(tokens) // page_size):
-                page = block_pool.encode_page(
-                    tokens[i * page_size : (i + 1) * page_size], (salt,) if i == 0 else ()
-                )
-                parent = honest(parent, page)
-                want.append(parent)
-            calls.clear()
+            want = hash_page_chain(pool.seed_hash, tokens, page_size, salt)
+            calls.clear()  # hash_page_chain's own digests
             assert pool.page_keys(seq) == want
             assert len(calls) == sum(key not in pool.cached for key in want)
             known += len(want) - len(calls)
@@ -317,10 +316,8 @@ def admitted(pool, seq: Sequence, hits: list[int], live: list[Sequence]) -> bool
 def computed(pool, seq_id: int, tokens: list[int]) -> Sequence:
     """A new sequence looked up, allocated and computed in full on `pool`, its full pages offered."""
     seq = Sequence(seq_id, tokens, SamplingParams())
-    hits = pool.lookup(seq)
-    seq.block_table = pool.allocate(hits, pages_for(len(tokens), pool.page_size) - len(hits), len(tokens))
-    seq.num_offered_pages, seq.num_computed_tokens = len(hits), len(tokens)
-    pool.cache_full_pages(seq)
+    if not admitted(pool, seq, pool.lookup(seq), []):
+        raise RuntimeError(f"computed: {len(tokens)} tokens do not fit on the pool")
     return seq
 
 
