@@ -15,7 +15,8 @@ Policy:
       than `(num_tokens - 1) // page_size` pages (the last token is always computed).
     - A cached page's key is known: `digests` maps the digest's input (parent hash, encoded page) of
       each cached page to its key, so a request's keys cost sha256 only for the pages the cache does
-      not hold (a hit's keys are the same sha256 chain, read instead of recomputed).
+      not hold (a hit's keys are the same sha256 chain, read instead of recomputed). A lookup hashes
+      no page past the first unknown one; the others are hashed when offered, after the step's launch.
     - Free pages form an LRU queue. Hits are touched (ref_count += 1, out of the queue) before new
       pages are taken; a new page is the least recently freed one and its key is evicted lazily then;
       `free` releases a block table in reverse order so a sequence's tail is evicted before its prefix.
@@ -193,10 +194,13 @@ class BlockPool:
     def num_cached_pages(self) -> int:
         return len(self.cached)
 
-    def page_keys(self, seq) -> list[bytes]:
-        """Extends and returns `seq.page_keys`: the chained hash of each full page of `seq.token_ids`.
+    def page_keys(self, seq, through_first_unknown: bool = False) -> list[bytes]:
+        """Extends and returns `seq.page_keys`: the chained hash of each full page of `seq.token_ids`, or
+        with `through_first_unknown` only up to the first page whose key is not known (`digests`): no
+        cached page follows it in the chain, so a lookup needs no key past it, and the keys of the pages
+        a step computes are hashed when they are offered (`cache_full_pages`), while the GPU runs.
 
-        Extends `seq.encoded_pages` alongside: the encoded page each key hashes after its parent.
+        Extends `seq.encoded_pages` alongside, whole: the encoded page each key hashes after its parent.
         """
         keys, encoded, size, tokens = seq.page_keys, seq.encoded_pages, self.page_size, seq.token_ids
         start, stop = len(encoded) * size, len(tokens) // size * size
@@ -214,6 +218,8 @@ class BlockPool:
             key = known((parent, page))
             parent = page_digest(parent, page) if key is None else key
             keys.append(parent)
+            if key is None and through_first_unknown:
+                break
         return keys
 
     def lookup(self, seq) -> list[int]:
@@ -221,7 +227,7 @@ class BlockPool:
         if not self.enable_caching:
             return []
         cached, pages = self.cached, self.pages
-        keys = self.page_keys(seq)[: (len(seq.token_ids) - 1) // self.page_size]
+        keys = self.page_keys(seq, through_first_unknown=True)[: (len(seq.token_ids) - 1) // self.page_size]
         if not keys or keys[0] not in cached:
             return []
         hits, prev = [], None

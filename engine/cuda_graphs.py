@@ -172,6 +172,10 @@ class StepGraph:
     subclass's (`DecodeGraph`, `PrefillGraph`): it packs the capture's batch before `_capture`, which
     plans attention over it in an eager run, then captures."""
 
+    # With LEAD, a graph of its own comes first: the embedding and the first layer's attention inputs,
+    # which need no attention plan, so the GPU runs them while the host replans (`PrefillGraph`).
+    LEAD = False
+
     def _capture(self, runner, meta, inputs: StaticInputs, logits_rows: torch.Tensor, capture, pool) -> bool:
         """Plans and compiles in an eager run, then captures unless the plans cannot be replayed
         (`_replayable`); returns whether it captured."""
@@ -181,8 +185,17 @@ class StepGraph:
         dev, model = inputs.device, runner.model
         attend = lambda i, q, k, v: runner.attend(meta, i, q, k, v)  # noqa: E731
 
+        @torch.no_grad()
+        def lead():  # (h, cos, sin, q, k, v): the embedding and the first layer's attention inputs
+            h, rope = model.embed(dev["input_ids"]), model.rope_rows(dev["positions"])
+            return (h, *rope, *model.layers[0].attention_inputs(h, rope))
+
+        @torch.no_grad()
         def piece(layers: range, last: bool, previous: tuple):  # previous: (h, cos, sin), none first
-            h, *rope = previous or (model.embed(dev["input_ids"]), *model.rope_rows(dev["positions"]))
+            h, *rope = previous[:3] or (model.embed(dev["input_ids"]), *model.rope_rows(dev["positions"]))
+            if len(previous) > 3:  # the lead's: the first layer's attention inputs are made
+                h = model.layers[layers[0]].finish(h, attend(layers[0], *previous[3:]))
+                layers = layers[1:]
             h = model.run_layers(h, rope, attend, layers)
             if not last:
                 return (h, *rope)
@@ -196,6 +209,9 @@ class StepGraph:
             return False
         parts = segments(len(model.layers))
         self.replays, out = [], ()
+        if self.LEAD:
+            replay, out = capture(lead, pool, meta.plans)
+            self.replays.append(replay)
         for j, layers in enumerate(parts):
             replay, out = capture(
                 functools.partial(piece, layers, j == len(parts) - 1, out), pool, meta.plans
@@ -292,8 +308,11 @@ class PrefillGraph(StepGraph):
     """The graph of steps of at most `tokens` tokens over at most `seqs` sequences, each computing at least
     two tokens (one-token rows take `paged_decode`): the prefill plans, made at capture over `seqs`
     sequences, one of the cache's whole capacity, are replanned every step (`PrefillPlan.replan`), each
-    just before the first layer segment that uses it, and keep their launches. Only for plans that say so
-    (`fixed_launch`), or under `rerun_capture`, which runs them again; `supported` is False otherwise."""
+    just before the first layer segment that uses it, after the lead (`StepGraph.LEAD`), and keep their
+    launches. Only for plans that say so (`fixed_launch`), or under `rerun_capture`, which runs them
+    again; `supported` is False otherwise."""
+
+    LEAD = True
 
     def __init__(self, runner, tokens: int, seqs: int, capture, pool):
         from engine.model_runner import AttentionMetadata  # the runner imports this module
@@ -342,9 +361,10 @@ class PrefillGraph(StepGraph):
             runner, meta, inputs, dev["logits_rows"], capture, pool
         )
         # Each segment's prefill plans first used there, replanned just before its replay: the GPU runs the
-        # first segment (layer 0, the sparse layout's plan) while the host replans the dense layout's.
+        # lead (no plan) while the host replans the first layer's layout's plan, and the first segment
+        # (layer 0, the sparse layout's plan) while it replans the dense layout's.
         layouts, seen = runner.model.layouts, set()
-        self.segment_plans = []
+        self.segment_plans = [[]] if self.supported and self.LEAD else []
         for layers in segments(len(layouts)) if self.supported else []:
             keys = {("prefill", id(layouts[i])) for i in layers} & meta.plans.keys()
             self.segment_plans.append([meta.plans[key] for key in sorted(keys - seen)])

@@ -10,8 +10,8 @@ weight copies (more bytes than the L2 holds, so each call reads its weight from 
 median of 15 replays; `hbm_bound_us` is the weight's bytes at 3.35 TB/s (an H100's HBM). A Triton
 result more than 1% off float32's is dropped (printed).
 
-`python3 -m reports.gemm_probe [--rows 208,832] [--out FILE.json]` (a GPU; a few minutes: each
-configuration compiles once).
+`python3 -m reports.gemm_probe [--rows 208,832] [--out FILE.json] [--no-tiles]` (a GPU; a few minutes: each
+configuration compiles once; with --no-tiles, cuBLAS and cuBLASLt alone, seconds).
 """
 
 import argparse
@@ -118,7 +118,7 @@ def time_call(fn, xs, ws, ys) -> float:
     return statistics.median(times)
 
 
-def measure(rows: list[int]) -> list[dict]:
+def measure(rows: list[int], tiles: bool = True) -> list[dict]:
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     torch.manual_seed(0)
     results = []
@@ -134,7 +134,7 @@ def measure(rows: list[int]) -> list[dict]:
             row["cublaslt_us"] = time_call(cublas, xs, ws, ys)
             torch.backends.cuda.preferred_blas_library("cublas")
             tried = []
-            for descriptors, config in itertools.product((False, True), configs()):
+            for descriptors, config in itertools.product((False, True), configs() if tiles else ()):
                 fn = triton_mm(descriptors, config)
                 fn(xs[0], ws[0], ys[0])
                 error = float((ys[0].float() - want).abs().max() / want.abs().max())
@@ -147,7 +147,7 @@ def measure(rows: list[int]) -> list[dict]:
             results.append(row)
             print(
                 f"{name} M={M}: bound {row['hbm_bound_us']:.1f} µs, cuBLAS {row['cublas_us']:.1f}, "
-                f"cuBLASLt {row['cublaslt_us']:.1f}, Triton best {row['triton_best'][0]}",
+                f"cuBLASLt {row['cublaslt_us']:.1f}, Triton best {row['triton_best'][:1]}",
                 flush=True,
             )
     return results
@@ -157,9 +157,10 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="208,832", help="row counts M, comma-separated")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("gemm-probe.json"))
+    parser.add_argument("--no-tiles", action="store_true", help="cuBLAS and cuBLASLt only (no compiles)")
     args = parser.parse_args(argv)
     start = time.time()
-    rows = measure([int(m) for m in args.rows.split(",")])
+    rows = measure([int(m) for m in args.rows.split(",")], tiles=not args.no_tiles)
     env = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     args.out.write_text(json.dumps(dict(**env, wall_s=time.time() - start, rows=rows), indent=1) + "\n")
 

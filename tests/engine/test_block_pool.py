@@ -226,7 +226,8 @@ def test_page_keys_are_the_chain_of_hash_page(tokens, size, cut, salt, packed):
 )
 def test_page_keys_hash_only_the_pages_the_cache_does_not_hold(data, page_size, num_pages, num_requests):
     """A request's keys are the sha256 chain whatever the cache holds, evictions included, and sha256 runs
-    once for each of its pages whose key is not cached (`BlockPool.digests` knows the others)."""
+    once for each of its pages whose key is not cached (`BlockPool.digests` knows the others); a lookup
+    hashes none past the first such page, and finds the hits that the whole chain gives."""
     honest, calls = block_pool.page_digest, []
 
     def counted(parent: bytes, encoded: bytes) -> bytes:
@@ -242,11 +243,18 @@ def test_page_keys_hash_only_the_pages_the_cache_does_not_hold(data, page_size, 
             salt = data.draw(st.sampled_from((None, "s")))
             seq = Sequence(n, tokens, SamplingParams(), salt)
             want = hash_page_chain(pool.seed_hash, tokens, page_size, salt)
-            calls.clear()  # hash_page_chain's own digests
+            unknown = sum(key not in pool.cached for key in want)
+            first = next((i for i, key in enumerate(want) if key not in pool.cached), len(want))
+            whole = Sequence(n, tokens, SamplingParams(), salt)
+            pool.page_keys(whole)
+            calls.clear()  # hash_page_chain's and the whole chain's digests
+            hits = pool.lookup(seq)
+            assert seq.page_keys == want[: first + 1] and len(calls) == min(unknown, 1)
+            assert hits == pool.lookup(whole)
             assert pool.page_keys(seq) == want
-            assert len(calls) == sum(key not in pool.cached for key in want)
-            known += len(want) - len(calls)
-            if not admitted(pool, seq, pool.lookup(seq), live):
+            assert len(calls) == unknown
+            known += len(want) - unknown
+            if not admitted(pool, seq, hits, live):
                 continue
             if data.draw(st.booleans()):
                 pool.free(live.pop(0).block_table)

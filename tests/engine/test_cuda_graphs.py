@@ -124,6 +124,28 @@ def test_prefill_plans_that_cannot_replan_in_place_go_piece_by_piece():
     assert not any(graph.supported or hasattr(graph, "replays") for graph in graphs.prefill.values())
 
 
+def test_prefill_graphs_replay_their_lead_before_any_replan():
+    """A prefill graph's first replay is its lead (the embedding and the first layer's attention inputs),
+    before any plan is replanned: the GPU works while the host replans. (The stand-in capture on every
+    machine: float32 takes the Triton path, whose plans replan in no real graph.)"""
+    options = dict(backend="triton", num_pages=16, page_size=8, max_num_batched_tokens=40, dtype="float32")
+    llm = LLM("tiny", **options)
+    llm.runner.graphs = StepGraphs(llm.runner, whole_decode=True, capture=rerun_capture)
+    llm.generate([[3] * 20], SamplingParams(max_tokens=1))  # captures the bucket
+    (graph,) = llm.runner.graphs.prefill.values()
+    events = []
+
+    def logged(label, fn):
+        return lambda *args: (events.append(label), fn(*args))[1]
+
+    graph.replays = [logged(f"replay {j}", replay) for j, replay in enumerate(graph.replays)]
+    for plans in graph.segment_plans:
+        for plan in plans:
+            plan.replan = logged("replan", plan.replan)
+    llm.generate([[4] * 18], SamplingParams(max_tokens=1))
+    assert events[:2] == ["replay 0", "replan"], events
+
+
 def count_launched_ahead(llm: LLM) -> list[int]:
     """A counter (a one-element list) of the decode steps `llm` launches before reading the step
     they follow."""

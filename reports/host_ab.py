@@ -1,0 +1,93 @@
+"""Same-process A/B of the engine's host-side changes for issue 17: the 32-layer model's time to first token
+at 2k and 8k with nothing and 90% cached (reports/ttft_phases.py's requests), each cached request taken in
+turns by every arm, on one engine. An arm is the tree with some changes undone:
+    keys whole         a lookup hashes every page of the prompt (`page_keys` without through_first_unknown)
+    digests forgotten  keys whole, and `BlockPool.digests` keeps nothing: every page key is a sha256 digest
+                       again (a lookup that stops hashing at the first unknown digest rests on them)
+    no lead            prefill graphs without their lead (`StepGraph.LEAD`): the GPU waits for the first
+                       replan (graphs of their own: a second `StepGraphs`)
+Prints `label value` lines: medians of the runs after two warm-up ones, each arm's TTFT(h) / TTFT(0), and
+the tokens its requests found cached (the same in every arm, or the script stops).
+
+`python3 -m reports.host_ab [--runs N] [--arms A,B]`: a GPU run (CUDA graphs, the triton backend).
+"""
+
+import argparse
+import contextlib
+import statistics
+
+from engine import block_pool
+from engine.cuda_graphs import PrefillGraph, StepGraphs
+from reports.ttft_phases import HIT, PROMPTS, WARMUP, engine, timed_request
+
+
+class Forgetful(dict):
+    """A digests map that keeps nothing: every page key is a sha256 digest again."""
+
+    def __setitem__(self, key, value):
+        pass
+
+    def __delitem__(self, key):
+        pass
+
+
+ARMS = {
+    "tree": (),
+    "keys whole": ("keys whole",),
+    "digests forgotten": ("keys whole", "digests forgotten"),
+    "no lead": ("no lead",),
+    "all undone": ("keys whole", "digests forgotten", "no lead"),
+}
+
+
+@contextlib.contextmanager
+def undone(llm, undo: tuple, graphs: dict):
+    """The tree with the changes named in `undo` undone, for one request (it resets the cache first)."""
+    page_keys, lead = block_pool.BlockPool.page_keys, PrefillGraph.LEAD
+    if "digests forgotten" in undo:
+        llm.pool.digests = Forgetful()
+    if "keys whole" in undo:
+        block_pool.BlockPool.page_keys = lambda pool, seq, through_first_unknown=False: page_keys(pool, seq)
+    key = "no lead" in undo
+    if key not in graphs:  # captured on first use, with or without the lead
+        graphs[key] = StepGraphs(llm.runner, whole_decode=llm.runner.ops.capabilities.graphs)
+    PrefillGraph.LEAD, llm.runner.graphs = not key, graphs[key]
+    try:
+        yield
+    finally:
+        llm.pool.digests = {}  # consistent again at the next request's cache reset
+        block_pool.BlockPool.page_keys, PrefillGraph.LEAD = page_keys, lead
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=12, help="requests a cell and arm, warm-up included")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
+    args = parser.parse_args(argv)
+    arms = args.arms.split(",")
+    llm = engine()
+    graphs = {False: llm.runner.graphs}
+    for length in PROMPTS:
+        spans = [timed_request(llm, length, 0.0, run) for run in range(args.runs)]
+        base = statistics.median(1e3 * (end - start) for start, end in spans[WARMUP:])
+        print(f"ttft L={length} h=0.0: {base:.2f} ms", flush=True)
+        times, cached = {arm: [] for arm in arms}, set()
+        for run in range(args.runs):
+            for i, arm in enumerate(arms):
+                hits = llm.pool.stats.hits  # the prefix's own request finds nothing cached
+                with undone(llm, ARMS[arm], graphs):
+                    start, end = timed_request(llm, length, HIT, len(arms) * run + i)
+                times[arm].append(1e3 * (end - start))
+                cached.add(llm.pool.stats.hits - hits)
+        if len(cached) != 1:
+            raise SystemExit(f"the arms found different cached tokens: {sorted(cached)}")
+        (tokens,) = cached
+        for arm, ms in times.items():
+            median = statistics.median(ms[WARMUP:])
+            ratio = median / base
+            print(f"ttft L={length} h={HIT} {arm}: {median:.2f} ms, ratio {ratio:.4f}, cached {tokens}")
+        llm.runner.graphs = graphs[False]
+
+
+if __name__ == "__main__":
+    main()
