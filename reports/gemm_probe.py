@@ -3,7 +3,8 @@
 A prefill step over a 90% cached prompt multiplies 208 rows (2k prompt) or 832 (8k) by each layer's
 weights, where the step's time is mostly reading them. For each weight (qkv, out, up, down: bf16 [N, K])
 and each row count M: `torch.mm` through cuBLAS and through cuBLASLt
-(`torch.backends.cuda.preferred_blas_library`), and a plain Triton kernel (`mm_kernel`: one output tile a
+(`torch.backends.cuda.preferred_blas_library`), split-K over cuBLAS's batched product (`split_k`, with
+its error against float32's), and a plain Triton kernel (`mm_kernel`: one output tile a
 program, pointer loads or tensor descriptors) over a grid of tile shapes, stages and warps; the eight
 fastest Triton configurations are kept. Each time is a CUDA graph of REPLAYS calls cycling over COPIES
 weight copies (more bytes than the L2 holds, so each call reads its weight from HBM), µs a call, the
@@ -30,6 +31,7 @@ COPIES, REPLAYS = 6, 24
 HBM_BYTES_PER_S = 3.35e12
 BLOCKS, K_BLOCKS, STAGES, WARPS = (64, 128, 256), (64, 128), (3, 4, 5), (4, 8)
 SMEM_BYTES = 200 * 1024
+SPLITS = (2, 4)  # split-K parts of `split_k`
 
 
 @triton.jit
@@ -97,6 +99,20 @@ def cublas(x, w, y):
     torch.mm(x, w.t(), out=y)
 
 
+def split_k(parts: int):
+    """y = x @ w^T as `parts` products over slices of K in one batched cuBLAS call (strided views, no copy),
+    summed by torch.sum (float32 accumulation) into y: a split-K GEMM from cuBLAS's own kernels, with
+    `parts` times the output tiles of one product."""
+
+    def run(x, w, y):
+        (M, K), N = x.shape, w.shape[0]
+        a = x.view(M, parts, K // parts).transpose(0, 1)  # [parts, M, K / parts]
+        b = w.view(N, parts, K // parts).permute(1, 2, 0)  # [parts, K / parts, N]
+        torch.sum(torch.bmm(a, b), 0, out=y)
+
+    return run
+
+
 def time_call(fn, xs, ws, ys) -> float:
     """µs a call: a graph of REPLAYS calls cycling over the copies, the median of 15 replays."""
     for i in range(3):
@@ -133,6 +149,10 @@ def measure(rows: list[int], tiles: bool = True) -> list[dict]:
             torch.backends.cuda.preferred_blas_library("cublaslt")
             row["cublaslt_us"] = time_call(cublas, xs, ws, ys)
             torch.backends.cuda.preferred_blas_library("cublas")
+            for parts in SPLITS:
+                split_k(parts)(xs[0], ws[0], ys[0])
+                row[f"split{parts}_error"] = float((ys[0].float() - want).abs().max() / want.abs().max())
+                row[f"split{parts}_us"] = time_call(split_k(parts), xs, ws, ys)
             tried = []
             for descriptors, config in itertools.product((False, True), configs() if tiles else ()):
                 fn = triton_mm(descriptors, config)
@@ -147,7 +167,9 @@ def measure(rows: list[int], tiles: bool = True) -> list[dict]:
             results.append(row)
             print(
                 f"{name} M={M}: bound {row['hbm_bound_us']:.1f} µs, cuBLAS {row['cublas_us']:.1f}, "
-                f"cuBLASLt {row['cublaslt_us']:.1f}, Triton best {row['triton_best'][:1]}",
+                f"cuBLASLt {row['cublaslt_us']:.1f}, "
+                + "".join(f"split-K {k} {row[f'split{k}_us']:.1f}, " for k in SPLITS)
+                + f"Triton best {row['triton_best'][:1]}",
                 flush=True,
             )
     return results
