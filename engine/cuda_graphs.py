@@ -17,7 +17,8 @@ H200's host, several times its kernels' time at small batches (reports/gpu/engin
   all, replays the graph of its token bucket, attention included (`PrefillGraph`): its prefill plans,
   made at capture over as many sequences as the bucket can hold, each as long as the cache, are
   replanned for every step (`replan` of the `graphs` capability: their walks rewritten in place,
-  their launches kept), where a plan can (`fixed_launch`: the Hopper path).
+  their launches kept), where a plan can (`fixed_launch`: the Hopper path), while the GPU runs the
+  step's lead (the embedding and layer 0's attention inputs, which read no plan: `StepGraph.LEAD`).
 - Any other step of at most PIECE_TOKEN_BUCKETS[-1] tokens (one-token rows beside longer ones, or plans
   that cannot replan in place) replays `PieceGraphs` of its token bucket: the layers between attention
   calls, with attention run eagerly in between.
