@@ -186,14 +186,17 @@ class StepGraph:
         dev, model = inputs.device, runner.model
         attend = lambda i, q, k, v: runner.attend(meta, i, q, k, v)  # noqa: E731
 
+        def start():  # (h, cos, sin): the embedding and the rotary rows of the step's tokens
+            return model.embed(dev["input_ids"]), *model.rope_rows(dev["positions"])
+
         @torch.no_grad()
-        def lead():  # (h, cos, sin, q, k, v): the embedding and the first layer's attention inputs
-            h, rope = model.embed(dev["input_ids"]), model.rope_rows(dev["positions"])
+        def lead():  # (h, cos, sin, q, k, v): `start` and the first layer's attention inputs
+            h, *rope = start()
             return (h, *rope, *model.layers[0].attention_inputs(h, rope))
 
         @torch.no_grad()
         def piece(layers: range, last: bool, previous: tuple):  # previous: (h, cos, sin), none first
-            h, *rope = previous[:3] or (model.embed(dev["input_ids"]), *model.rope_rows(dev["positions"]))
+            h, *rope = previous[:3] or start()
             if len(previous) > 3:  # the lead's: the first layer's attention inputs are made
                 h = model.layers[layers[0]].finish(h, attend(layers[0], *previous[3:]))
                 layers = layers[1:]
