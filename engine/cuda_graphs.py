@@ -22,8 +22,10 @@ H200's host, several times its kernels' time at small batches (reports/gpu/engin
 - Any other step of at most PIECE_TOKEN_BUCKETS[-1] tokens (one-token rows beside longer ones, or plans
   that cannot replan in place) replays `PieceGraphs` of its token bucket: the layers between attention
   calls, with attention run eagerly in between.
-Graphs are captured on first use and share one memory pool (`StepGraphs`). `LLM(enforce_eager=True)`
-runs every step eagerly.
+Before the first token bucket is taken, the linear layers are timed at every token bucket
+(engine/blas_choice.py): each bucket's graphs multiply each weight through the faster BLAS library, and a
+bucket that a larger one undercuts is dropped. Graphs are captured on first use and share one memory pool
+(`StepGraphs`). `LLM(enforce_eager=True)` runs every step eagerly.
 """
 
 import functools
@@ -35,6 +37,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from engine import blas_choice
 from engine.model import greedy_pairs
 
 # Contexts below this share one bucket: a graph per power of two above it.
@@ -483,7 +486,9 @@ class StepGraphs:
     the same step: a replay may overwrite only the outputs of graphs captured after it.
     """
 
-    def __init__(self, runner, whole_decode: bool, capture=cuda_capture, whole_prefill: bool | None = None):
+    def __init__(
+        self, runner, whole_decode: bool, capture=cuda_capture, whole_prefill: bool | None = None, timer=None
+    ):
         self.runner, self.capture, self.whole_decode = runner, capture, whole_decode
         # Prefill steps whole needs plans that replan in place (the `graphs` capability's prefill part).
         self.whole_prefill = whole_decode if whole_prefill is None else whole_prefill
@@ -495,6 +500,12 @@ class StepGraphs:
             min(config.max_num_batched_tokens, PIECE_TOKEN_BUCKETS[-1])
         ]
         self.pool = torch.cuda.graph_pool_handle() if capture is cuda_capture else None
+        # `timer(rows)` times the linear layers at `rows` rows (`blas_choice.time_linears`, under real
+        # captures); before the first token bucket is taken, its times choose each bucket's libraries
+        # and drop the buckets that a larger one undercuts (`blas_choice.calibrate`).
+        if timer is None and capture is cuda_capture:
+            timer = functools.partial(blas_choice.time_linears, runner.model.layers, capture=capture)
+        self.timer, self.choices = timer, None
         self.decode: dict[tuple[int, int], DecodeGraph] = {}
         self.prefill: dict[int, PrefillGraph] = {}
         self.pieces: dict[int, PieceGraphs] = {}
@@ -534,10 +545,16 @@ class StepGraphs:
         graph = self.prefill.get(tokens)
         if graph is None:
             seqs = min(self.runner.config.max_num_seqs, tokens // 2)  # each row computes two tokens or more
-            graph = self.prefill[tokens] = PrefillGraph(self.runner, tokens, seqs, self.capture, self.pool)
+            with blas_choice.choosing(self.choices.get(tokens, {})):
+                graph = PrefillGraph(self.runner, tokens, seqs, self.capture, self.pool)
+            self.prefill[tokens] = graph
         return graph.run(batch) if graph.supported and len(batch) <= graph.seqs else None
 
     def _bucket(self, num_tokens: int) -> int | None:
+        if self.choices is None:
+            self.choices = {}
+            if self.timer is not None:
+                self.token_buckets, self.choices = blas_choice.calibrate(self.token_buckets, self.timer)
         return next((t for t in self.token_buckets if t >= num_tokens), None)
 
     def pieces_for(self, num_tokens: int) -> PieceGraphs | None:
@@ -547,5 +564,6 @@ class StepGraphs:
             return None
         if tokens not in self.pieces:
             write_kv = self.whole_decode and "plan_write_kv" in self.runner.ops.planners
-            self.pieces[tokens] = PieceGraphs(self.runner, tokens, self.capture, self.pool, write_kv)
+            with blas_choice.choosing(self.choices.get(tokens, {})):
+                self.pieces[tokens] = PieceGraphs(self.runner, tokens, self.capture, self.pool, write_kv)
         return self.pieces[tokens]

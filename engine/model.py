@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import reference
-from engine import norm, norm_triton, rope_triton
+from engine import blas_choice, norm, norm_triton, rope_triton
 from engine.rope import rope_tables, split_rotary
 
 # Query weights are scaled up so that, with the muP scale 1/head_dim, scores are O(1) at init:
@@ -134,15 +134,17 @@ class DecoderLayer(nn.Module):
         """q [num_tokens, n_heads, head_dim] and k, v [num_tokens, n_kv_heads, head_dim] of hidden states
         h [num_tokens, dim], q and k rotated (engine/rope.py's `split_rotary`)."""
         _, x = self._norm(h, None, self.attn_norm)
-        qkv = self.qkv(x)
+        qkv = blas_choice.linear(x, self.qkv.weight, "qkv")
         split = rope_triton.split_rotary if FUSED_ROTARY and qkv.is_cuda else split_rotary
         return split(qkv, *rope, self.args.n_heads, self.args.n_kv_heads)
 
     def finish(self, h, o):
         """The layer's output [num_tokens, dim] from its input h and attention's o [num_tokens, n_heads,
         head_dim]."""
-        h, x = self._norm(h, self.out(o.reshape(h.shape[0], -1)), self.mlp_norm)
-        return h + self.down(nn.functional.gelu(self.up(x)))
+        attended = blas_choice.linear(o.reshape(h.shape[0], -1), self.out.weight, "out")
+        h, x = self._norm(h, attended, self.mlp_norm)
+        up = nn.functional.gelu(blas_choice.linear(x, self.up.weight, "up"))
+        return h + blas_choice.linear(up, self.down.weight, "down")
 
     @staticmethod
     def _norm(x, residual, layer_norm: nn.LayerNorm):

@@ -6,8 +6,11 @@ turns by every arm, on one engine. An arm is the tree with some changes undone:
                        again (a lookup that stops hashing at the first unknown digest rests on them)
     no lead            prefill graphs without their lead (`StepGraph.LEAD`): the GPU waits for the first
                        replan (graphs of their own: a second `StepGraphs`)
-Prints `label value` lines: medians of the runs after two warm-up ones, each arm's TTFT(h) / TTFT(0), and
-the tokens its requests found cached (the same in every arm, or the script stops).
+    blas default       graphs whose linear layers take torch's default library at every token bucket,
+                       every bucket kept (engine/blas_choice.py: graphs of their own, nothing timed)
+Prints `label value` lines: medians of the runs after two warm-up ones of each arm's TTFT(0) and TTFT(h),
+their ratio, and the tokens its requests found cached (the same in every arm, or the script stops); then
+the tree's token buckets and the libraries its graphs took at the buckets used.
 
 `python3 -m reports.host_ab [--runs N] [--arms A,B]`: a GPU run (CUDA graphs, the triton backend).
 """
@@ -37,6 +40,7 @@ ARMS = {
     "digests forgotten": ("keys whole", "digests forgotten"),
     "no lead": ("no lead",),
     "all undone": ("keys whole", "digests forgotten", "no lead"),
+    "blas default": ("blas default",),
 }
 
 
@@ -48,10 +52,11 @@ def undone(llm, undo: tuple, graphs: dict):
         llm.pool.digests = Forgetful()
     if "keys whole" in undo:
         block_pool.BlockPool.page_keys = lambda pool, seq, through_first_unknown=False: page_keys(pool, seq)
-    key = "no lead" in undo
-    if key not in graphs:  # captured on first use, with or without the lead
-        graphs[key] = StepGraphs(llm.runner, whole_decode=llm.runner.ops.capabilities.graphs)
-    PrefillGraph.LEAD, llm.runner.graphs = not key, graphs[key]
+    key = ("no lead" in undo, "blas default" in undo)
+    if key not in graphs:  # captured on first use, with or without the lead, timed or not
+        timer = (lambda rows: {}) if key[1] else None
+        graphs[key] = StepGraphs(llm.runner, whole_decode=llm.runner.ops.capabilities.graphs, timer=timer)
+    PrefillGraph.LEAD, llm.runner.graphs = not key[0], graphs[key]
     try:
         yield
     finally:
@@ -66,27 +71,33 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     arms = args.arms.split(",")
     llm = engine()
-    graphs = {False: llm.runner.graphs}
+    graphs = {(False, False): llm.runner.graphs}
     for length in PROMPTS:
-        spans = [timed_request(llm, length, 0.0, run) for run in range(args.runs)]
-        base = statistics.median(1e3 * (end - start) for start, end in spans[WARMUP:])
-        print(f"ttft L={length} h=0.0: {base:.2f} ms", flush=True)
-        times, cached = {arm: [] for arm in arms}, set()
+        times, cached = {(arm, share): [] for arm in arms for share in (0.0, HIT)}, set()
         for run in range(args.runs):
             for i, arm in enumerate(arms):
-                hits = llm.pool.stats.hits  # the prefix's own request finds nothing cached
-                with undone(llm, ARMS[arm], graphs):
-                    start, end = timed_request(llm, length, HIT, len(arms) * run + i)
-                times[arm].append(1e3 * (end - start))
-                cached.add(llm.pool.stats.hits - hits)
+                for share in (0.0, HIT):
+                    hits = llm.pool.stats.hits  # the prefix's own request finds nothing cached
+                    with undone(llm, ARMS[arm], graphs):
+                        start, end = timed_request(llm, length, share, len(arms) * run + i)
+                    times[arm, share].append(1e3 * (end - start))
+                    if share:
+                        cached.add(llm.pool.stats.hits - hits)
         if len(cached) != 1:
             raise SystemExit(f"the arms found different cached tokens: {sorted(cached)}")
         (tokens,) = cached
-        for arm, ms in times.items():
-            median = statistics.median(ms[WARMUP:])
-            ratio = median / base
-            print(f"ttft L={length} h={HIT} {arm}: {median:.2f} ms, ratio {ratio:.4f}, cached {tokens}")
-        llm.runner.graphs = graphs[False]
+        for arm in arms:
+            base, median = (statistics.median(times[arm, share][WARMUP:]) for share in (0.0, HIT))
+            print(
+                f"ttft L={length} {arm}: h=0.0 {base:.2f} ms, h={HIT} {median:.2f} ms, "
+                f"ratio {median / base:.4f}, cached {tokens}",
+                flush=True,
+            )
+        llm.runner.graphs = graphs[False, False]
+    tree = graphs[False, False]
+    print(f"tree token buckets: {tree.token_buckets}")
+    for tokens in sorted(tree.prefill):
+        print(f"tree libraries at {tokens} rows: {tree.choices.get(tokens)}")
 
 
 if __name__ == "__main__":

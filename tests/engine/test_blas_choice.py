@@ -1,0 +1,106 @@
+"""engine/blas_choice.py: each token bucket's libraries and the buckets kept, from timings; and the graphs
+that take them (the stand-in capture without a GPU: there `linear` is torch's product whatever the
+choice, so these tests check which buckets and libraries the graphs were captured with)."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from engine import LLM, SamplingParams, blas_choice
+from engine.blas_choice import LIBRARIES, MARGIN, WEIGHTS, calibrate, choosing, fastest, kept_buckets
+from engine.cuda_graphs import StepGraphs, rerun_capture
+from tests.budgets import examples
+from tests.engine.test_engine import assert_equivalent
+
+
+def test_fastest_takes_another_library_only_by_the_margin():
+    default, other = LIBRARIES
+    assert fastest({default: 10.0, other: 10.0 * (1 - MARGIN) - 1e-6}) == other
+    assert fastest({default: 10.0, other: 10.0 * (1 - MARGIN) + 1e-6}) == default
+    assert fastest({default: 10.0, other: 12.0}) == default
+
+
+@examples(4)
+@given(costs=st.dictionaries(st.integers(1, 64), st.floats(0.5, 2.0), min_size=1, max_size=12))
+def test_kept_buckets_are_those_no_larger_bucket_undercuts(costs):
+    kept = kept_buckets(costs)
+    assert kept == sorted(set(kept)) and max(costs) in kept
+    for bucket in costs:
+        undercut = any(costs[u] < costs[bucket] * (1 - MARGIN) for u in costs if u > bucket)
+        assert (bucket not in kept) == undercut, (bucket, kept)
+
+
+def test_calibrate_chooses_by_weight_and_drops_undercut_buckets():
+    default, other = LIBRARIES
+    times = {  # rows -> weight -> library -> µs
+        16: {"qkv": {default: 5.0, other: 4.0}, "up": {default: 9.0, other: 9.0}},
+        32: {"qkv": {default: 4.0, other: 6.0}, "up": {default: 8.0, other: 3.0}},
+        48: {"qkv": {default: 6.0, other: 6.0}, "up": {default: 9.0, other: 9.0}},
+    }
+    kept, choices = calibrate([16, 32, 48], times.__getitem__)
+    assert choices == {
+        16: {"qkv": other, "up": default},
+        32: {"qkv": default, "up": other},
+        48: {"qkv": default, "up": default},
+    }
+    assert kept == [32, 48]  # 16 costs 4 + 9, 32 costs 4 + 3
+
+
+def test_choosing_sets_and_restores_the_libraries():
+    with choosing({"qkv": LIBRARIES[1]}):
+        assert blas_choice._chosen == {"qkv": LIBRARIES[1]}
+        with choosing({}):
+            assert blas_choice._chosen == {}
+        assert blas_choice._chosen == {"qkv": LIBRARIES[1]}
+    assert blas_choice._chosen == {}
+    with pytest.raises(ValueError, match="libraries must be among"), choosing({"qkv": "mkl"}):
+        pass
+
+
+def test_linear_is_the_product_through_any_library():
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    x, w = torch.randn(208, 256, device=device, dtype=dtype), torch.randn(96, 256, device=device, dtype=dtype)
+    want = x.double() @ w.double().t()
+    for library in LIBRARIES:
+        with choosing({"up": library}):
+            got = blas_choice.linear(x, w, "up")
+        assert got.shape == (208, 96) and got.dtype == dtype
+        torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("whole_prefill", [True, False])
+def test_graphs_take_the_calibrated_buckets_and_libraries(monkeypatch, whole_prefill):
+    """A timer under which bucket 16 costs more than 32, and `up` runs faster through the second library:
+    a 10-token prompt takes bucket 32's graphs, captured with `up` through that library and every other
+    weight through the default, and its results are the eager run's."""
+    default, other = LIBRARIES
+
+    def timer(rows):
+        times = {name: {default: 1.0, other: 1.0} for name in WEIGHTS}
+        times["up"][other] = 0.5
+        if rows == 16:
+            times["qkv"] = {default: 4.0, other: 4.0}
+        return times
+
+    seen = set()  # (weight, library) of the products made under a bucket's choice
+    linear = blas_choice.linear
+
+    def spied(x, weight, name):
+        if blas_choice._chosen:
+            seen.add((name, blas_choice._chosen.get(name)))
+        return linear(x, weight, name)
+
+    monkeypatch.setattr(blas_choice, "linear", spied)
+    options = dict(backend="triton", num_pages=16, page_size=8, max_num_batched_tokens=40, dtype="float32")
+    params = SamplingParams(max_tokens=2)
+    llm = LLM("tiny", record_logits=True, **options)
+    llm.runner.graphs = graphs = StepGraphs(
+        llm.runner, whole_decode=True, capture=rerun_capture, whole_prefill=whole_prefill, timer=timer
+    )
+    eager = LLM("tiny", enforce_eager=True, record_logits=True, **options)
+    assert_equivalent(llm.generate([[3] * 10], params), eager.generate([[3] * 10], params))
+    assert graphs.token_buckets == [32, 40]
+    assert sorted(graphs.prefill if whole_prefill else graphs.pieces) == [32]
+    assert seen == {("up", other)} | {(name, default) for name in WEIGHTS if name != "up"}
