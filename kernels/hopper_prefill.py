@@ -219,29 +219,24 @@ class Walk:
         flat = np.empty(size, dtype=np.int32) if out is None else out[:size]
         flat[:programs] = self.offsets
         rows = flat[programs:].reshape(-1, ROW_FIELDS)
+        # A row's fields of its query tile (sequence, absolute tile, first query token, context, length),
+        # by the walk's numbering of tiles (the last first), then a row of zeros for the stand-ins. A
+        # step's host runs this cold, where its cost follows its count of numpy calls (docs/engine-notes.md).
+        tiles = len(query_tiles)
+        starts, ends = query_starts[:-1], query_starts[1:]
+        rows_of_tiles = [
+            (b, t, *[0] * 7, starts[b], seq_lens[b] - ends[b] + starts[b], seq_lens[b])
+            for b, t in reversed(query_tiles)
+        ]
+        by_tile = np.array(rows_of_tiles + [(0,) * ROW_FIELDS], dtype=np.int32)
+        w = units[:, 0]
+        stand_in = w < 0
+        np.take(by_tile, np.where(stand_in, tiles, w % max(tiles, 1)), axis=0, out=rows)
+        head = w // max(tiles, 1)
+        rows[:, 2] = head
+        rows[:, 3] = counts.numpy()[0, rows[:, 1], head if counts.shape[2] > 1 else 0]
         rows[:, 4 : 4 + UNIT_FIELDS - 1] = units[:, 1:]
-        # Stand-ins (item -1) follow the items' units when a single round leaves programs idle
-        # (`_plan_walk`); slices, rather than a mask, cost a few µs less a plan.
-        real = int(np.count_nonzero(units[:, 0] >= 0))
-        trailing = bool((units[real:, 0] < 0).all())
-        items = rows[:real] if trailing else rows[units[:, 0] >= 0]
-        w = units[:real, 0] if trailing else units[units[:, 0] >= 0, 0]
-        if real:
-            pairs = np.asarray(query_tiles, dtype=np.int32).reshape(-1, 2)
-            tiles = pairs.shape[0]
-            head, tile = w // tiles, tiles - 1 - w % tiles
-            seq, qtile = pairs[tile].T
-            seq_len, starts = np.array(seq_lens, dtype=np.int32), np.array(query_starts, dtype=np.int32)
-            items[:, 0], items[:, 1], items[:, 2] = seq, qtile, head
-            per_head = counts.shape[2] > 1
-            items[:, 3] = counts.numpy()[0, qtile, head if per_head else 0]
-            items[:, 9], items[:, 11] = starts[seq], seq_len[seq]
-            items[:, 10] = items[:, 11] - (starts[seq + 1] - items[:, 9])  # the sequence's context
-        if not trailing:
-            rows[units[:, 0] >= 0] = items
-            rows[units[:, 0] < 0, :4], rows[units[:, 0] < 0, 9:] = 0, 0
-        elif real < units.shape[0]:
-            rows[real:, :4], rows[real:, 9:] = 0, 0
+        rows[stand_in, 2:4] = 0
         return flat
 
 
