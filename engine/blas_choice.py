@@ -21,6 +21,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+# Read when a runner's graphs are made (`StepGraphs`): off, every graph multiplies through torch's
+# default library and every token bucket is kept.
+ENABLED = True
 LIBRARIES = ("cublas", "cublaslt")  # the first one is torch's default
 WEIGHTS = ("qkv", "out", "up", "down")  # the `nn.Linear` attributes of engine.model.DecoderLayer
 # Another library, or a larger bucket, is taken only when it is this much faster than the default

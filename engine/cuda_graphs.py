@@ -503,7 +503,7 @@ class StepGraphs:
         # `timer(rows)` times the linear layers at `rows` rows (`blas_choice.time_linears`, under real
         # captures); before the first token bucket is taken, its times choose each bucket's libraries
         # and drop the buckets that a larger one undercuts (`blas_choice.calibrate`).
-        if timer is None and capture is cuda_capture:
+        if timer is None and capture is cuda_capture and blas_choice.ENABLED:
             timer = functools.partial(blas_choice.time_linears, runner.model.layers, capture=capture)
         self.timer, self.choices = timer, None
         self.decode: dict[tuple[int, int], DecodeGraph] = {}

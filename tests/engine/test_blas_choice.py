@@ -104,3 +104,24 @@ def test_graphs_take_the_calibrated_buckets_and_libraries(monkeypatch, whole_pre
     assert graphs.token_buckets == [32, 40]
     assert sorted(graphs.prefill if whole_prefill else graphs.pieces) == [32]
     assert seen == {("up", other)} | {(name, default) for name in WEIGHTS if name != "up"}
+
+
+@pytest.mark.gpu
+def test_an_engine_on_the_gpu_calibrates_its_buckets_and_equals_its_eager_run():
+    """The real timings (`time_linears` through real captures): a finite time for every weight and library
+    at every bucket, the largest bucket kept, and graphs taken with the chosen libraries that pass the
+    cold-vs-warm rule against an eager run, in bfloat16 (where the libraries' kernels differ most)."""
+    options = dict(
+        backend="triton", num_pages=32, page_size=16, max_num_batched_tokens=96, record_logits=True
+    )
+    llm = LLM("tiny", **options)
+    graphs = llm.runner.graphs
+    times = graphs.timer(48)
+    assert set(times) == set(WEIGHTS) and all(set(t) == set(LIBRARIES) for t in times.values())
+    assert all(0 < us < 1e4 for t in times.values() for us in t.values())
+    params = SamplingParams(max_tokens=3)
+    prompts = [list(range(1, 40)), [7] * 70]
+    eager = LLM("tiny", enforce_eager=True, enable_prefix_caching=False, **options)
+    assert_equivalent(llm.generate(prompts, params), eager.generate(prompts, params))
+    assert graphs.token_buckets[-1] == 96 and set(graphs.token_buckets) <= set(graphs.choices)
+    assert graphs.prefill and all(set(graphs.choices[t].values()) <= set(LIBRARIES) for t in graphs.prefill)
