@@ -8,6 +8,9 @@ turns by every arm, on one engine. An arm is the tree with some changes undone:
                        replan (graphs of their own: a second `StepGraphs`)
     blas default       graphs whose linear layers take torch's default library at every token bucket,
                        every bucket kept (engine/blas_choice.py: graphs of their own, nothing timed)
+    blas chosen        graphs whose linear layers take each bucket's faster library, and whose buckets
+                       a larger one undercuts are dropped (`blas_choice.calibrate`, whatever
+                       `blas_choice.ENABLED` says: graphs of their own)
 Prints `label value` lines: medians of the runs after two warm-up ones of each arm's TTFT(0) and TTFT(h),
 their ratio, and the tokens its requests found cached (the same in every arm, or the script stops); then
 the tree's token buckets and the libraries its graphs took at the buckets used.
@@ -17,10 +20,11 @@ the tree's token buckets and the libraries its graphs took at the buckets used.
 
 import argparse
 import contextlib
+import functools
 import statistics
 
-from engine import block_pool
-from engine.cuda_graphs import PrefillGraph, StepGraphs
+from engine import blas_choice, block_pool
+from engine.cuda_graphs import PrefillGraph, StepGraphs, cuda_capture
 from reports.ttft_phases import HIT, PROMPTS, WARMUP, engine, timed_request
 
 
@@ -41,6 +45,7 @@ ARMS = {
     "no lead": ("no lead",),
     "all undone": ("keys whole", "digests forgotten", "no lead"),
     "blas default": ("blas default",),
+    "blas chosen": ("blas chosen",),
 }
 
 
@@ -52,10 +57,19 @@ def undone(llm, undo: tuple, graphs: dict):
         llm.pool.digests = Forgetful()
     if "keys whole" in undo:
         block_pool.BlockPool.page_keys = lambda pool, seq, through_first_unknown=False: page_keys(pool, seq)
-    key = ("no lead" in undo, "blas default" in undo)
+    blas = next((arm for arm in ("blas default", "blas chosen") if arm in undo), None)
+    key = ("no lead" in undo, blas)
     if key not in graphs:  # captured on first use, with or without the lead, timed or not
-        timer = (lambda rows: {}) if key[1] else None
-        graphs[key] = StepGraphs(llm.runner, whole_decode=llm.runner.ops.capabilities.graphs, timer=timer)
+        timers = {
+            None: None,
+            "blas default": lambda rows: {},
+            "blas chosen": functools.partial(
+                blas_choice.time_linears, llm.runner.model.layers, capture=cuda_capture
+            ),
+        }
+        graphs[key] = StepGraphs(
+            llm.runner, whole_decode=llm.runner.ops.capabilities.graphs, timer=timers[blas]
+        )
     PrefillGraph.LEAD, llm.runner.graphs = not key[0], graphs[key]
     try:
         yield
@@ -71,7 +85,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     arms = args.arms.split(",")
     llm = engine()
-    graphs = {(False, False): llm.runner.graphs}
+    graphs = {(False, None): llm.runner.graphs}
     for length in PROMPTS:
         times, cached = {(arm, share): [] for arm in arms for share in (0.0, HIT)}, set()
         for run in range(args.runs):
@@ -93,11 +107,12 @@ def main(argv=None) -> None:
                 f"ratio {median / base:.4f}, cached {tokens}",
                 flush=True,
             )
-        llm.runner.graphs = graphs[False, False]
-    tree = graphs[False, False]
-    print(f"tree token buckets: {tree.token_buckets}")
-    for tokens in sorted(tree.prefill):
-        print(f"tree libraries at {tokens} rows: {tree.choices.get(tokens)}")
+        llm.runner.graphs = graphs[False, None]
+    for (_, blas), taken in graphs.items():
+        label = blas or "tree"
+        print(f"{label} token buckets: {taken.token_buckets}")
+        for tokens in sorted(taken.prefill):
+            print(f"{label} libraries at {tokens} rows: {taken.choices.get(tokens)}")
 
 
 if __name__ == "__main__":

@@ -107,10 +107,11 @@ def test_graphs_take_the_calibrated_buckets_and_libraries(monkeypatch, whole_pre
 
 
 @pytest.mark.gpu
-def test_an_engine_on_the_gpu_calibrates_its_buckets_and_equals_its_eager_run():
+def test_an_engine_on_the_gpu_calibrates_its_buckets_and_equals_its_eager_run(monkeypatch):
     """The real timings (`time_linears` through real captures): a finite time for every weight and library
     at every bucket, the largest bucket kept, and graphs taken with the chosen libraries that pass the
     cold-vs-warm rule against an eager run, in bfloat16 (where the libraries' kernels differ most)."""
+    monkeypatch.setattr(blas_choice, "ENABLED", True)
     options = dict(
         backend="triton", num_pages=32, page_size=16, max_num_batched_tokens=96, record_logits=True
     )
