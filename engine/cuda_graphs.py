@@ -22,10 +22,10 @@ H200's host, several times its kernels' time at small batches (reports/gpu/engin
 - Any other step of at most PIECE_TOKEN_BUCKETS[-1] tokens (one-token rows beside longer ones, or plans
   that cannot replan in place) replays `PieceGraphs` of its token bucket: the layers between attention
   calls, with attention run eagerly in between.
-Before the first token bucket is taken, the linear layers are timed at every token bucket
-(engine/blas_choice.py): each bucket's graphs multiply each weight through the faster BLAS library, and a
-bucket that a larger one undercuts is dropped. Graphs are captured on first use and share one memory pool
-(`StepGraphs`). `LLM(enforce_eager=True)` runs every step eagerly.
+With `blas_choice.ENABLED`, the linear layers are timed at every token bucket before the first one is
+taken (engine/blas_choice.py): each bucket's graphs multiply each weight through the faster BLAS library,
+and a bucket that a larger one undercuts is dropped. Graphs are captured on first use and share one memory
+pool (`StepGraphs`). `LLM(enforce_eager=True)` runs every step eagerly.
 """
 
 import functools
