@@ -478,6 +478,11 @@ class PieceGraphs:
         return self.outputs[-1][0][:n]
 
 
+def linear_timer(runner) -> Callable[[int], dict[str, dict[str, float]]]:
+    """`timer(rows)`: `blas_choice.time_linears` over the runner's layers, through real captures."""
+    return functools.partial(blas_choice.time_linears, runner.model.layers, capture=cuda_capture)
+
+
 class StepGraphs:
     """A runner's graphs, captured on first use, sharing one memory pool: decode steps whole (a backend
     with the `graphs` capability), other steps of at most PIECE_TOKEN_BUCKETS[-1] tokens piece by piece.
@@ -504,7 +509,7 @@ class StepGraphs:
         # captures); before the first token bucket is taken, its times choose each bucket's libraries
         # and drop the buckets that a larger one undercuts (`blas_choice.calibrate`).
         if timer is None and capture is cuda_capture and blas_choice.ENABLED:
-            timer = functools.partial(blas_choice.time_linears, runner.model.layers, capture=capture)
+            timer = linear_timer(runner)
         self.timer, self.choices = timer, None
         self.decode: dict[tuple[int, int], DecodeGraph] = {}
         self.prefill: dict[int, PrefillGraph] = {}

@@ -9,7 +9,6 @@ Everything is also written as JSON.
 """
 
 import argparse
-import functools
 import json
 import pathlib
 import time
@@ -17,7 +16,7 @@ import time
 import torch
 
 from engine import blas_choice
-from engine.cuda_graphs import cuda_capture
+from engine.cuda_graphs import linear_timer
 from reports.ttft_phases import engine
 
 
@@ -26,7 +25,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("blas-calibration.json"))
     args = parser.parse_args(argv)
     llm = engine()
-    timer = functools.partial(blas_choice.time_linears, llm.runner.model.layers, capture=cuda_capture)
+    timer = linear_timer(llm.runner)
     buckets = llm.runner.graphs.token_buckets
     times = {}
     for rows in buckets:

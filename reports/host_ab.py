@@ -13,18 +13,17 @@ turns by every arm, on one engine. An arm is the tree with some changes undone:
                        `blas_choice.ENABLED` says: graphs of their own)
 Prints `label value` lines: medians of the runs after two warm-up ones of each arm's TTFT(0) and TTFT(h),
 their ratio, and the tokens its requests found cached (the same in every arm, or the script stops); then
-the tree's token buckets and the libraries its graphs took at the buckets used.
+each set of graphs' token buckets and the libraries it took at the buckets used.
 
 `python3 -m reports.host_ab [--runs N] [--arms A,B]`: a GPU run (CUDA graphs, the triton backend).
 """
 
 import argparse
 import contextlib
-import functools
 import statistics
 
-from engine import blas_choice, block_pool
-from engine.cuda_graphs import PrefillGraph, StepGraphs, cuda_capture
+from engine import block_pool
+from engine.cuda_graphs import PrefillGraph, StepGraphs, linear_timer
 from reports.ttft_phases import HIT, PROMPTS, WARMUP, engine, timed_request
 
 
@@ -63,9 +62,7 @@ def undone(llm, undo: tuple, graphs: dict):
         timers = {
             None: None,
             "blas default": lambda rows: {},
-            "blas chosen": functools.partial(
-                blas_choice.time_linears, llm.runner.model.layers, capture=cuda_capture
-            ),
+            "blas chosen": linear_timer(llm.runner),
         }
         graphs[key] = StepGraphs(
             llm.runner, whole_decode=llm.runner.ops.capabilities.graphs, timer=timers[blas]
