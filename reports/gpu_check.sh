@@ -32,6 +32,12 @@
 #                                             GPU (tests/engine, the plan, walk, specialization and
 #                                             Hopper tests), then reports/engine_steps.py and the
 #                                             engine TTFT (issue 17)
+#   bash reports/gpu_check.sh OUT_DIR blas     issue 17's linear layers by measured cost (engine/blas_choice.py):
+#                                             the tree's graphs against graphs of torch's default library and
+#                                             of each bucket's chosen one, in turns (host_ab), the calibration's
+#                                             times and choices, the engine's tests (the GPU test of the choice)
+#   bash reports/gpu_check.sh OUT_DIR blas-ttft   the engine TTFT (issue 17's table) in a copy of the tree
+#                                             with blas_choice.ENABLED on
 #   bash reports/gpu_check.sh OUT_DIR split-one-round   issue 17's attention split (hopper_prefill's
 #                                             SPLIT_ONE_ROUND, off): the Hopper path's split and replan
 #                                             tests, the engine's tests in a copy of the tree with it
@@ -160,6 +166,20 @@ BREAKS
     step 150 engine-steps python3 -m reports.engine_steps --out "$out" --runs "${ENGINE_RUNS:-3}" ${ENGINE_STEPS_ARGS:-}
     step 260 engine-ttft python3 -m reports.bench_engine --out "$out" --time-cap 240
     ;;
+  blas)
+    step 240 host-ab python3 -m reports.host_ab --arms "tree,blas default,blas chosen" --runs "${HOST_AB_RUNS:-10}"
+    step 150 blas-calibration python3 -m reports.blas_calibration --out "$out/blas-calibration.json"
+    step 200 engine-tests python3 -m pytest -q -n 8 -rf -p no:cacheprovider tests/engine
+    tail -n 3 "$out/engine-tests.log" >> "$out/summary.txt"
+    grep -E "^ttft|kept|libraries at (208|256|240|832|896)" "$out/host-ab.log" "$out/blas-calibration.log" >> "$out/summary.txt"
+    ;;
+  blas-ttft)
+    on=/tmp/blas-on
+    rm -rf "$on" && mkdir -p "$on" && tar --exclude=./.ab --exclude=./.vllm -cf - . | tar -xf - -C "$on"
+    sed -i 's/^ENABLED = False/ENABLED = True/' "$on/engine/blas_choice.py"
+    grep -q "^ENABLED = True" "$on/engine/blas_choice.py" || echo "blas-on: the edit did not apply" >> "$out/summary.txt"
+    (cd "$on" && step 280 engine-ttft python3 -m reports.bench_engine --out "$out" --time-cap 260)
+    ;;
   split-one-round)
     # The tests first, side by side (their compiles fill the CPUs); the timings after them, alone.
     step 240 tests python3 -m pytest tests/kernels/test_hopper_prefill.py -q -p no:cacheprovider -n 4 \
@@ -219,7 +239,7 @@ BREAKS
       first-failure-replay="$out/first-failure-replay.json" > /dev/null
     grep -h "worker(s) on\|done in\|summary:" "$out"/campaign-*.log "$out"/first-failure-*.log >> "$out/summary.txt"
     ;;
-  *) echo "unknown part $part (suite, bench, engine, split-one-round, layouts, kernels, probe, hopper, verdicts-tests, verdicts-rest or campaign)"; exit 2 ;;
+  *) echo "unknown part $part (suite, bench, engine, blas, blas-ttft, split-one-round, layouts, kernels, probe, hopper, verdicts-tests, verdicts-rest or campaign)"; exit 2 ;;
 esac
 cat "$out/summary.txt"
 # The device tool returns at most eight files per call: everything also goes back as one archive.
