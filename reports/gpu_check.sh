@@ -167,9 +167,9 @@ BREAKS
     step 260 engine-ttft python3 -m reports.bench_engine --out "$out" --time-cap 240
     ;;
   blas)
-    step 200 host-ab python3 -m reports.host_ab --arms "tree,blas default,blas chosen" --runs "${HOST_AB_RUNS:-8}"
-    step 100 blas-calibration python3 -m reports.blas_calibration --out "$out/blas-calibration.json"
-    step 200 engine-tests python3 -m pytest -q -n 8 -rf -p no:cacheprovider tests/engine
+    step 170 host-ab python3 -m reports.host_ab --arms "tree,blas default,blas chosen" --runs "${HOST_AB_RUNS:-7}"
+    step 80 blas-calibration python3 -m reports.blas_calibration --out "$out/blas-calibration.json"
+    step 180 engine-tests python3 -m pytest -q -n 8 -rf -p no:cacheprovider tests/engine
     tail -n 3 "$out/engine-tests.log" >> "$out/summary.txt"
     grep -E "^ttft|kept|libraries at (208|256|240|832|896)" "$out/host-ab.log" "$out/blas-calibration.log" >> "$out/summary.txt"
     ;;
