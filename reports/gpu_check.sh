@@ -63,6 +63,12 @@ step() {  # cap_s, log name, command...
   timeout "$cap" "$@" > "$out/$log.log" 2>&1
   echo "$log: exit $? in $((SECONDS - t0)) s" | tee -a "$out/summary.txt"
 }
+switched_on() {  # dir, file, setting: a copy of the tree in dir with `setting = False` made True in file
+  local dir=$1 file=$2 setting=$3
+  rm -rf "$dir" && mkdir -p "$dir" && tar --exclude=./.ab --exclude=./.vllm -cf - . | tar -xf - -C "$dir"
+  sed -i "s/^$setting = False/$setting = True/" "$dir/$file"
+  grep -q "^$setting = True" "$dir/$file" || echo "$setting on: the edit did not apply" >> "$out/summary.txt"
+}
 case $part in
   suite)
     # -n 4: eight workers ran out of GPU memory on the 8k float64 Phi-3 oracle cases.
@@ -175,9 +181,7 @@ BREAKS
     ;;
   blas-ttft)
     on=/tmp/blas-on
-    rm -rf "$on" && mkdir -p "$on" && tar --exclude=./.ab --exclude=./.vllm -cf - . | tar -xf - -C "$on"
-    sed -i 's/^ENABLED = False/ENABLED = True/' "$on/engine/blas_choice.py"
-    grep -q "^ENABLED = True" "$on/engine/blas_choice.py" || echo "blas-on: the edit did not apply" >> "$out/summary.txt"
+    switched_on "$on" engine/blas_choice.py ENABLED
     (cd "$on" && step 280 engine-ttft python3 -m reports.bench_engine --out "$out" --time-cap 260)
     ;;
   split-one-round)
@@ -185,9 +189,7 @@ BREAKS
     step 240 tests python3 -m pytest tests/kernels/test_hopper_prefill.py -q -p no:cacheprovider -n 4 \
       -k "split or replanned" &
     on=/tmp/split-one-round-on
-    rm -rf "$on" && mkdir -p "$on" && tar --exclude=./.ab --exclude=./.vllm -cf - . | tar -xf - -C "$on"
-    sed -i 's/^SPLIT_ONE_ROUND = False/SPLIT_ONE_ROUND = True/' "$on/kernels/hopper_prefill.py"
-    grep -q "^SPLIT_ONE_ROUND = True" "$on/kernels/hopper_prefill.py" || echo "split-on: the edit did not apply" >> "$out/summary.txt"
+    switched_on "$on" kernels/hopper_prefill.py SPLIT_ONE_ROUND
     (cd "$on" && step 240 engine-tests-on python3 -m pytest -q -n 4 -rf -p no:cacheprovider tests/engine \
       tests/kernels/test_plan.py tests/kernels/test_walk.py) < /dev/null &
     wait
