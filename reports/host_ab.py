@@ -105,8 +105,8 @@ def main(argv=None) -> None:
                 flush=True,
             )
         llm.runner.graphs = graphs[False, None]
-    for (_, blas), taken in graphs.items():
-        label = blas or "tree"
+    for (no_lead, blas), taken in graphs.items():
+        label = ", ".join(name for name in ("no lead" if no_lead else None, blas) if name) or "tree"
         print(f"{label} token buckets: {taken.token_buckets}")
         for tokens in sorted(taken.prefill):
             print(f"{label} libraries at {tokens} rows: {taken.choices.get(tokens)}")
