@@ -501,9 +501,8 @@ class StepGraphs:
         self.batch_buckets = buckets(config.max_num_seqs)
         capacity = config.num_pages * config.page_size  # no sequence outgrows the cache
         self.context_buckets = buckets(capacity, min(MIN_CONTEXT_BUCKET, capacity))
-        self.token_buckets = [t for t in PIECE_TOKEN_BUCKETS if t < config.max_num_batched_tokens] + [
-            min(config.max_num_batched_tokens, PIECE_TOKEN_BUCKETS[-1])
-        ]
+        largest = min(config.max_num_batched_tokens, PIECE_TOKEN_BUCKETS[-1])
+        self.token_buckets = [t for t in PIECE_TOKEN_BUCKETS if t < largest] + [largest]
         self.pool = torch.cuda.graph_pool_handle() if capture is cuda_capture else None
         # `timer(rows)` times the linear layers at `rows` rows (`blas_choice.time_linears`, under real
         # captures); before the first token bucket is taken, its times choose each bucket's libraries

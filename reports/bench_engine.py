@@ -192,7 +192,8 @@ def environment(settings) -> dict:
 
 def write_markdown(path: pathlib.Path, rows: list[dict], env: dict) -> None:
     looser = "".join(
-        f" (+ {slack:.2f} for {model} at {tokens} tokens)" for (model, tokens), slack in SLACK_OF.items()
+        f" (ideal + {slack:.2f} for {model} at {tokens} tokens)"
+        for (model, tokens), slack in SLACK_OF.items()
     )
     lines = [
         "# Engine TTFT against prefix-cache hit share",

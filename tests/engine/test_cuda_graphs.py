@@ -6,12 +6,14 @@ is what a graph's launches read. Either way the runs with graphs, prefix caching
 pass harness/engine_check.py's rule against an eager run without caching.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import event, given
 
 from engine import LLM, SamplingParams
-from engine.cuda_graphs import StepGraphs, buckets, rerun_capture, segments
+from engine.cuda_graphs import PIECE_TOKEN_BUCKETS, StepGraphs, buckets, rerun_capture, segments
 from tests.budgets import examples
 from tests.engine.test_engine import TRITON_STREAMS, assert_equivalent, make_llm, run_stream
 
@@ -80,6 +82,19 @@ def test_buckets():
     assert buckets(5) == [1, 2, 4, 5]
     assert buckets(512, 256) == [256, 512]
     assert buckets(300, 256) == [256, 300]
+
+
+@pytest.mark.parametrize("max_num_batched_tokens", [40, 2048, 4096])
+def test_token_buckets_rise_to_the_largest_a_step_takes(max_num_batched_tokens):
+    """Each token bucket once, in order, up to the batch's budget or the last piece bucket."""
+    config = SimpleNamespace(
+        max_num_seqs=4, num_pages=16, page_size=8, max_num_batched_tokens=max_num_batched_tokens
+    )
+    graphs = StepGraphs(SimpleNamespace(config=config), whole_decode=True, capture=rerun_capture)
+    largest = min(max_num_batched_tokens, PIECE_TOKEN_BUCKETS[-1])
+    assert graphs.token_buckets[-1] == largest
+    assert graphs.token_buckets == sorted(set(graphs.token_buckets))
+    assert set(graphs.token_buckets) == {t for t in PIECE_TOKEN_BUCKETS if t < largest} | {largest}
 
 
 @pytest.mark.parametrize("whole_prefill", [True, False])
