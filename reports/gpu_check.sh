@@ -36,8 +36,6 @@
 #                                             the tree's graphs against graphs of torch's default library and
 #                                             of each bucket's chosen one, in turns (host_ab), the calibration's
 #                                             times and choices, the engine's tests (the GPU test of the choice)
-#   bash reports/gpu_check.sh OUT_DIR blas-ttft   the engine TTFT (issue 17's table) in a copy of the tree
-#                                             with blas_choice.ENABLED on
 #   bash reports/gpu_check.sh OUT_DIR split-one-round   issue 17's attention split (hopper_prefill's
 #                                             SPLIT_ONE_ROUND, off): the Hopper path's split and replan
 #                                             tests, the engine's tests in a copy of the tree with it
@@ -179,11 +177,6 @@ BREAKS
     tail -n 3 "$out/engine-tests.log" >> "$out/summary.txt"
     grep -E "^ttft|kept|libraries at (208|256|240|832|896)" "$out/host-ab.log" "$out/blas-calibration.log" >> "$out/summary.txt"
     ;;
-  blas-ttft)
-    on=/tmp/blas-on
-    switched_on "$on" engine/blas_choice.py ENABLED
-    (cd "$on" && step 280 engine-ttft python3 -m reports.bench_engine --out "$out" --time-cap 260)
-    ;;
   split-one-round)
     # The tests first, side by side (their compiles fill the CPUs); the timings after them, alone.
     step 240 tests python3 -m pytest tests/kernels/test_hopper_prefill.py -q -p no:cacheprovider -n 4 \
@@ -241,7 +234,7 @@ BREAKS
       first-failure-replay="$out/first-failure-replay.json" > /dev/null
     grep -h "worker(s) on\|done in\|summary:" "$out"/campaign-*.log "$out"/first-failure-*.log >> "$out/summary.txt"
     ;;
-  *) echo "unknown part $part (suite, bench, engine, blas, blas-ttft, split-one-round, layouts, kernels, probe, hopper, verdicts-tests, verdicts-rest or campaign)"; exit 2 ;;
+  *) echo "unknown part $part (suite, bench, engine, blas, split-one-round, layouts, kernels, probe, hopper, verdicts-tests, verdicts-rest or campaign)"; exit 2 ;;
 esac
 cat "$out/summary.txt"
 # The device tool returns at most eight files per call: everything also goes back as one archive.
