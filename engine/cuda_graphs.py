@@ -506,9 +506,12 @@ class StepGraphs:
         self.pool = torch.cuda.graph_pool_handle() if capture is cuda_capture else None
         # `timer(rows)` times the linear layers at `rows` rows (`blas_choice.time_linears`, under real
         # captures); before the first token bucket is taken, its times choose each bucket's libraries
-        # and drop the buckets that a larger one undercuts (`blas_choice.calibrate`).
+        # and drop the buckets that a larger one undercuts (`blas_choice.calibrate`). The default timer's
+        # choices are made once a process for the model's shape (`blas_choice.calibrated`); a given
+        # timer's, for these graphs.
+        self.shape_key = None
         if timer is None and capture is cuda_capture and blas_choice.ENABLED:
-            timer = linear_timer(runner)
+            timer, self.shape_key = linear_timer(runner), blas_choice.shape_key(runner.model.layers)
         self.timer, self.choices = timer, None
         self.decode: dict[tuple[int, int], DecodeGraph] = {}
         self.prefill: dict[int, PrefillGraph] = {}
@@ -557,7 +560,11 @@ class StepGraphs:
     def _bucket(self, num_tokens: int) -> int | None:
         if self.choices is None:
             self.choices = {}
-            if self.timer is not None:
+            if self.timer is not None and self.shape_key is not None:
+                self.token_buckets, self.choices = blas_choice.calibrated(
+                    self.shape_key, self.token_buckets, self.timer
+                )
+            elif self.timer is not None:
                 self.token_buckets, self.choices = blas_choice.calibrate(self.token_buckets, self.timer)
         return next((t for t in self.token_buckets if t >= num_tokens), None)
 

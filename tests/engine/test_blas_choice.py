@@ -47,6 +47,37 @@ def test_calibrate_chooses_by_weight_and_drops_undercut_buckets():
     assert kept == [32, 48]  # 16 costs 4 + 9, 32 costs 4 + 3
 
 
+def test_calibrated_measures_once_a_process_for_each_model_shape(monkeypatch):
+    """The first call with a key times every bucket; later calls with that key and buckets time nothing
+    and give the same result, whatever the caller did with an earlier one; another key times again."""
+    monkeypatch.setattr(blas_choice, "_calibrations", {})
+    default, other = LIBRARIES
+    timed = []
+
+    def timer(rows):
+        timed.append(rows)
+        return {"qkv": {default: 2.0, other: 1.0 if len(timed) % 2 else 3.0}}
+
+    want = ([16, 32], {16: {"qkv": other}, 32: {"qkv": default}})
+    first = blas_choice.calibrated(("a",), [16, 32], timer)
+    assert timed == [16, 32] and first == want
+    first[0].clear()
+    first[1][16]["qkv"] = "mkl"
+    assert blas_choice.calibrated(("a",), [16, 32], timer) == want
+    assert timed == [16, 32]
+    blas_choice.calibrated(("b",), [16, 32], timer)
+    assert timed == [16, 32, 16, 32]
+
+
+def test_shape_key_names_what_the_timings_depend_on():
+    layer = torch.nn.Module()
+    for name, shape in zip(WEIGHTS, [(12, 4), (4, 4), (8, 4), (4, 8)], strict=True):
+        setattr(layer, name, torch.nn.Linear(shape[1], shape[0], bias=False))
+    key = blas_choice.shape_key([layer] * 3)
+    assert key == ("cpu", torch.float32, ((12, 4), (4, 4), (8, 4), (4, 8)), 3)
+    assert blas_choice.shape_key([layer] * 20)[-1] == blas_choice.TIMED_LAYERS
+
+
 def test_choosing_sets_and_restores_the_libraries():
     with choosing({"qkv": LIBRARIES[1]}):
         assert blas_choice._chosen == {"qkv": LIBRARIES[1]}
@@ -132,3 +163,7 @@ def test_an_engine_on_the_gpu_calibrates_its_buckets_and_equals_its_eager_run(mo
     assert_equivalent(llm.generate(prompts, params), eager.generate(prompts, params))
     assert graphs.token_buckets[-1] == 96 and set(graphs.token_buckets) <= set(graphs.choices)
     assert graphs.prefill and all(set(graphs.choices[t].values()) <= set(LIBRARIES) for t in graphs.prefill)
+    second = LLM("tiny", **options)  # the same model shape: the process's calibration, not one of its own
+    second.generate(prompts[:1], params)
+    theirs = second.runner.graphs
+    assert (theirs.token_buckets, theirs.choices) == (graphs.token_buckets, graphs.choices)
