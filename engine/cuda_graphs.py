@@ -560,12 +560,11 @@ class StepGraphs:
     def _bucket(self, num_tokens: int) -> int | None:
         if self.choices is None:
             self.choices = {}
-            if self.timer is not None and self.shape_key is not None:
-                self.token_buckets, self.choices = blas_choice.calibrated(
-                    self.shape_key, self.token_buckets, self.timer
-                )
-            elif self.timer is not None:
-                self.token_buckets, self.choices = blas_choice.calibrate(self.token_buckets, self.timer)
+            if self.timer is not None:
+                calibrate = blas_choice.calibrate
+                if self.shape_key is not None:
+                    calibrate = functools.partial(blas_choice.calibrated, self.shape_key)
+                self.token_buckets, self.choices = calibrate(self.token_buckets, self.timer)
         return next((t for t in self.token_buckets if t >= num_tokens), None)
 
     def pieces_for(self, num_tokens: int) -> PieceGraphs | None:
