@@ -22,13 +22,12 @@ import torch
 from torch import nn
 
 # Read when a runner's graphs are made (`StepGraphs`): off, every graph multiplies through torch's
-# default library and every token bucket is kept. Off until the engine's tests pass on a GPU with it on
-# (`bash reports/gpu_check.sh OUT blas`). The thirtieth session measured it on the H200: TTFT with 90%
-# cached 7.12 -> 6.90 ms at 2k and 20.43 -> 20.20 ms at 8k in one process, and its GPU test passed
-# (reports/gpu/blas-h200.txt). With it on, two of tests/engine's exact-equality tests then failed on an
-# H100 (each engine calibrated for itself); `calibrated` fixes that, but no GPU has run it since
-# (docs/engine-notes.md, "Linear layers by measured cost").
-ENABLED = False
+# default library and every token bucket is kept. On since the thirty-first session: tests/engine passed
+# with it on an H100 (121 of 121, twice), where two exact-equality tests had failed before `calibrated`
+# (each engine calibrating for itself). Measured on the H200 (reports/gpu/blas-h200.txt): TTFT with 90%
+# cached 7.12 -> 6.90 ms at 2k and 20.43 -> 20.20 ms at 8k in one process (docs/engine-notes.md,
+# "Linear layers by measured cost").
+ENABLED = True
 LIBRARIES = ("cublas", "cublaslt")  # the first one is torch's default
 WEIGHTS = ("qkv", "out", "up", "down")  # the `nn.Linear` attributes of engine.model.DecoderLayer
 # Another library, or a larger bucket, is taken only when it is this much faster than the default

@@ -33,10 +33,10 @@
 #                                             Hopper tests), then reports/engine_steps.py and the
 #                                             engine TTFT (issue 17)
 #   bash reports/gpu_check.sh OUT_DIR blas     issue 17's linear layers by measured cost (engine/blas_choice.py):
-#                                             the engine's tests in a copy of the tree with the choice on
-#                                             (blas_choice.ENABLED), then the tree's graphs against graphs of
+#                                             the engine's tests, then the tree's graphs against graphs of
 #                                             torch's default library and of each bucket's chosen one, in turns
-#                                             (host_ab), and the calibration's times and choices
+#                                             (host_ab), the calibration's times and choices, and each layer
+#                                             from the L2 against from HBM (reports/l2_probe.py)
 #   bash reports/gpu_check.sh OUT_DIR split-one-round   issue 17's attention split (hopper_prefill's
 #                                             SPLIT_ONE_ROUND, off): the Hopper path's split and replan
 #                                             tests, the engine's tests in a copy of the tree with it
@@ -172,12 +172,11 @@ BREAKS
     step 260 engine-ttft python3 -m reports.bench_engine --out "$out" --time-cap 240
     ;;
   blas)
-    on=/tmp/blas-on
-    switched_on "$on" engine/blas_choice.py ENABLED
-    (cd "$on" && step 150 engine-tests-on python3 -m pytest -q -n 8 -rf -p no:cacheprovider tests/engine)
-    tail -n 3 "$out/engine-tests-on.log" >> "$out/summary.txt"
+    step 150 engine-tests python3 -m pytest -q -n 8 -rf -p no:cacheprovider tests/engine
+    tail -n 3 "$out/engine-tests.log" >> "$out/summary.txt"
     step 170 host-ab python3 -m reports.host_ab --arms "tree,blas default,blas chosen" --runs "${HOST_AB_RUNS:-7}"
     step 80 blas-calibration python3 -m reports.blas_calibration --out "$out/blas-calibration.json"
+    step 60 l2-probe python3 -m reports.l2_probe --out "$out/l2-probe.json"
     grep -E "^ttft|kept|libraries at (208|256|240|832|896)" "$out/host-ab.log" "$out/blas-calibration.log" >> "$out/summary.txt"
     ;;
   split-one-round)
