@@ -134,44 +134,51 @@ def time_call(fn, xs, ws, ys) -> float:
     return statistics.median(times)
 
 
-def measure(rows: list[int], tiles: bool = True) -> list[dict]:
-    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+def operands(rows: list[int]):
+    """(weight name, M, xs, ws, ys) for each weight of WEIGHTS and each row count M of `rows`: COPIES seeded
+    bf16 weights [N, K], inputs [M, K] and outputs [M, N] on the GPU."""
     torch.manual_seed(0)
-    results = []
     for name, (N, K) in WEIGHTS.items():
         ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / 64 for _ in range(COPIES)]
         for M in rows:
             xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(COPIES)]
             ys = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(COPIES)]
-            want = xs[0].float() @ ws[0].float().t()
-            row = dict(weight=name, M=M, N=N, K=K, hbm_bound_us=N * K * 2 / HBM_BYTES_PER_S * 1e6)
-            row["cublas_us"] = time_call(cublas, xs, ws, ys)
-            torch.backends.cuda.preferred_blas_library("cublaslt")
-            row["cublaslt_us"] = time_call(cublas, xs, ws, ys)
-            torch.backends.cuda.preferred_blas_library("cublas")
-            for parts in SPLITS:
-                split_k(parts)(xs[0], ws[0], ys[0])
-                row[f"split{parts}_error"] = float((ys[0].float() - want).abs().max() / want.abs().max())
-                row[f"split{parts}_us"] = time_call(split_k(parts), xs, ws, ys)
-            tried = []
-            for descriptors, config in itertools.product((False, True), configs() if tiles else ()):
-                fn = triton_mm(descriptors, config)
-                fn(xs[0], ws[0], ys[0])
-                error = float((ys[0].float() - want).abs().max() / want.abs().max())
-                if error > 1e-2:
-                    print(f"dropped: {name} M={M} descriptors={descriptors} {config}: error {error:.3g}")
-                    continue
-                tried.append(["desc" if descriptors else "ptr", *config, time_call(fn, xs, ws, ys)])
-            # each: loads, BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, µs
-            row["triton_best"] = sorted(tried, key=lambda r: r[-1])[:8]
-            results.append(row)
-            print(
-                f"{name} M={M}: bound {row['hbm_bound_us']:.1f} µs, cuBLAS {row['cublas_us']:.1f}, "
-                f"cuBLASLt {row['cublaslt_us']:.1f}, "
-                + "".join(f"split-K {k} {row[f'split{k}_us']:.1f}, " for k in SPLITS)
-                + f"Triton best {row['triton_best'][:1]}",
-                flush=True,
-            )
+            yield name, M, xs, ws, ys
+
+
+def measure(rows: list[int], tiles: bool = True) -> list[dict]:
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    results = []
+    for name, M, xs, ws, ys in operands(rows):
+        (N, K), want = WEIGHTS[name], xs[0].float() @ ws[0].float().t()
+        row = dict(weight=name, M=M, N=N, K=K, hbm_bound_us=N * K * 2 / HBM_BYTES_PER_S * 1e6)
+        row["cublas_us"] = time_call(cublas, xs, ws, ys)
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        row["cublaslt_us"] = time_call(cublas, xs, ws, ys)
+        torch.backends.cuda.preferred_blas_library("cublas")
+        for parts in SPLITS:
+            split_k(parts)(xs[0], ws[0], ys[0])
+            row[f"split{parts}_error"] = float((ys[0].float() - want).abs().max() / want.abs().max())
+            row[f"split{parts}_us"] = time_call(split_k(parts), xs, ws, ys)
+        tried = []
+        for descriptors, config in itertools.product((False, True), configs() if tiles else ()):
+            fn = triton_mm(descriptors, config)
+            fn(xs[0], ws[0], ys[0])
+            error = float((ys[0].float() - want).abs().max() / want.abs().max())
+            if error > 1e-2:
+                print(f"dropped: {name} M={M} descriptors={descriptors} {config}: error {error:.3g}")
+                continue
+            tried.append(["desc" if descriptors else "ptr", *config, time_call(fn, xs, ws, ys)])
+        # each: loads, BLOCK_M, BLOCK_N, BLOCK_K, stages, warps, µs
+        row["triton_best"] = sorted(tried, key=lambda r: r[-1])[:8]
+        results.append(row)
+        print(
+            f"{name} M={M}: bound {row['hbm_bound_us']:.1f} µs, cuBLAS {row['cublas_us']:.1f}, "
+            f"cuBLASLt {row['cublaslt_us']:.1f}, "
+            + "".join(f"split-K {k} {row[f'split{k}_us']:.1f}, " for k in SPLITS)
+            + f"Triton best {row['triton_best'][:1]}",
+            flush=True,
+        )
     return results
 
 

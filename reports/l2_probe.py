@@ -4,7 +4,7 @@ prompt's few rows (issue 17): is a weight worth prefetching into the L2 while at
 At the 2k step with 90% cached (208 rows), attention takes about 40 µs a layer on half the SMs and reads
 a few MB, so the HBM idles; the projection that follows (`out`, 33.5 MB) then reads its weight from HBM.
 For each weight (engine.model's shapes, bf16) and row count, through cuBLAS and cuBLASLt, µs a call:
-- `cold`: a CUDA graph of calls cycling over COPIES weights (more bytes than the L2 holds);
+- `cold`: a CUDA graph of calls cycling over gemm_probe.COPIES weights (more bytes than the L2 holds);
 - `touch`: a graph of `touch_kernel` over the first FRACTION of each weight alone (the prefetch's own time);
 - `hot`: (a graph of touch then product, each weight in turn) minus `touch`: the product with that part of
   its weight in the L2.
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from reports.gemm_probe import COPIES, REPLAYS, WEIGHTS, cublas, time_call
+from reports.gemm_probe import REPLAYS, cublas, operands, time_call
 
 # The part of each weight touched: what fits the L2 (50 MB on the H100 and H200) beside attention's KV.
 FRACTION = {"qkv": 0.75, "out": 1.0, "up": 0.5, "down": 0.5}
@@ -52,38 +52,33 @@ def touch(programs: int, fraction: float):
 
 
 def measure(rows: list[int]) -> list[dict]:
-    torch.manual_seed(0)
     results = []
-    for name, (N, K) in WEIGHTS.items():
-        ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / 64 for _ in range(COPIES)]
-        for M in rows:
-            xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(COPIES)]
-            ys = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for _ in range(COPIES)]
-            for library in ("cublas", "cublaslt"):
-                torch.backends.cuda.preferred_blas_library(library)
-                row = dict(weight=name, M=M, library=library, fraction=FRACTION[name])
-                row["cold_us"] = time_call(cublas, xs, ws, ys)
-                for programs in TOUCH_PROGRAMS:
-                    pre = touch(programs, FRACTION[name])
+    for name, M, xs, ws, ys in operands(rows):
+        for library in ("cublas", "cublaslt"):
+            torch.backends.cuda.preferred_blas_library(library)
+            row = dict(weight=name, M=M, library=library, fraction=FRACTION[name])
+            row["cold_us"] = time_call(cublas, xs, ws, ys)
+            for programs in TOUCH_PROGRAMS:
+                pre = touch(programs, FRACTION[name])
 
-                    def alone(x, w, y, pre=pre):
-                        pre(w)
+                def alone(x, w, y, pre=pre):
+                    pre(w)
 
-                    def both(x, w, y, pre=pre):
-                        pre(w)
-                        cublas(x, w, y)
+                def both(x, w, y, pre=pre):
+                    pre(w)
+                    cublas(x, w, y)
 
-                    row[f"touch{programs}_us"] = time_call(alone, xs, ws, ys)
-                    row[f"hot{programs}_us"] = time_call(both, xs, ws, ys) - row[f"touch{programs}_us"]
-                results.append(row)
-                print(
-                    f"{name} M={M} {library}: cold {row['cold_us']:.1f} µs; "
-                    + "; ".join(
-                        f"{p} programs: touch {row[f'touch{p}_us']:.1f}, hot {row[f'hot{p}_us']:.1f}"
-                        for p in TOUCH_PROGRAMS
-                    ),
-                    flush=True,
-                )
+                row[f"touch{programs}_us"] = time_call(alone, xs, ws, ys)
+                row[f"hot{programs}_us"] = time_call(both, xs, ws, ys) - row[f"touch{programs}_us"]
+            results.append(row)
+            print(
+                f"{name} M={M} {library}: cold {row['cold_us']:.1f} µs; "
+                + "; ".join(
+                    f"{p} programs: touch {row[f'touch{p}_us']:.1f}, hot {row[f'hot{p}_us']:.1f}"
+                    for p in TOUCH_PROGRAMS
+                ),
+                flush=True,
+            )
     torch.backends.cuda.preferred_blas_library("cublas")
     return results
 
