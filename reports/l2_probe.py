@@ -3,7 +3,8 @@ prompt's few rows (issue 17): is a weight worth prefetching into the L2 while at
 
 At the 2k step with 90% cached (208 rows), attention takes about 40 µs a layer on half the SMs and reads
 a few MB, so the HBM idles; the projection that follows (`out`, 33.5 MB) then reads its weight from HBM.
-For each weight (engine.model's shapes, bf16) and row count, through cuBLAS and cuBLASLt, µs a call:
+For each weight (engine.model's shapes, bf16) and row count, through each library of
+engine.blas_choice.LIBRARIES (cuBLAS, cuBLASLt), µs a call:
 - `cold`: a CUDA graph of calls cycling over gemm_probe.COPIES weights (more bytes than the L2 holds);
 - `touch`: a graph of `touch_kernel` over the first FRACTION of each weight alone (the prefetch's own time);
 - `hot`: (a graph of touch then product, each weight in turn) minus `touch`: the product with that part of
@@ -22,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.blas_choice import LIBRARIES
 from reports.gemm_probe import REPLAYS, cublas, operands, time_call
 
 # The part of each weight touched: what fits the L2 (50 MB on the H100 and H200) beside attention's KV.
@@ -54,7 +56,7 @@ def touch(programs: int, fraction: float):
 def measure(rows: list[int]) -> list[dict]:
     results = []
     for name, M, xs, ws, ys in operands(rows):
-        for library in ("cublas", "cublaslt"):
+        for library in LIBRARIES:
             torch.backends.cuda.preferred_blas_library(library)
             row = dict(weight=name, M=M, library=library, fraction=FRACTION[name])
             row["cold_us"] = time_call(cublas, xs, ws, ys)
@@ -79,7 +81,7 @@ def measure(rows: list[int]) -> list[dict]:
                 ),
                 flush=True,
             )
-    torch.backends.cuda.preferred_blas_library("cublas")
+    torch.backends.cuda.preferred_blas_library(LIBRARIES[0])
     return results
 
 
