@@ -249,7 +249,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=1, help="times: each path timed this many times")
     parser.add_argument("--max-tokens", type=int, help="times: only the rows of at most this many tokens")
     parser.add_argument("--min-tokens", type=int, help="times: only the rows of at least this many tokens")
-    parser.add_argument("--rows", choices=ROWS, default="issue", help="times: issue 16's rows, the engine's")
+    parser.add_argument(
+        "--rows", choices=ROWS, default="issue", help="times, timeline: issue 16's rows, the engine's"
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     wanted = set(args.variants.split(",")) if args.variants not in (None, "all") else None
@@ -275,7 +277,10 @@ def main(argv=None) -> int:
         "times": timed,
         "profile": profile,
         "host": host_parts,
-        "timeline": hopper_timeline.timeline,
+        "timeline": functools.partial(
+            hopper_timeline.timeline,
+            rows=hopper_timeline.ROWS if args.rows == "issue" else [row[:3] for row in ROWS[args.rows]],
+        ),
         "durations": functools.partial(durations, vllm=args.vllm),
     }
     for part in args.only.split(","):

@@ -183,13 +183,14 @@ def outside_units(t: torch.Tensor, programs: torch.Tensor) -> dict:
     }
 
 
-def timeline(save, paths) -> list[dict]:
-    """The ROWS' timelines for each Hopper path of `paths` that has the diagnostic (this tree's)."""
+def timeline(save, paths, rows=ROWS) -> list[dict]:
+    """The timelines of `rows` ((tokens, queries, layout) each; ROWS) for each Hopper path of `paths` that
+    has the diagnostic (this tree's)."""
     from reports.hopper_ab import hopper_path
 
     gen = torch.Generator().manual_seed(0)
     rows = []
-    for n, queries, layout_name in ROWS:
+    for n, queries, layout_name in rows:
         layout = bk.phi3_layout() if layout_name == "phi3" else None
         p = bk.Prefill(n, queries, layout, gen)
         for path, package, on, settings in paths:
