@@ -189,7 +189,7 @@ def timeline(save, paths, rows=ROWS) -> list[dict]:
     from reports.hopper_ab import hopper_path
 
     gen = torch.Generator().manual_seed(0)
-    rows = []
+    out = []
     for n, queries, layout_name in rows:
         layout = bk.phi3_layout() if layout_name == "phi3" else None
         p = bk.Prefill(n, queries, layout, gen)
@@ -201,6 +201,6 @@ def timeline(save, paths, rows=ROWS) -> list[dict]:
                 row.update(summarize(stamps(prefill, p)[0]))
                 row["cold"] = outside_units(*stamps(prefill, p, cold=True)[:2])
             print(row, flush=True)
-            rows.append(row)
-            save(rows)
-    return rows
+            out.append(row)
+            save(out)
+    return out
