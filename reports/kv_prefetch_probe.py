@@ -10,7 +10,10 @@ For each layout, µs of the planned Hopper run alone (CUDA events around it, the
 - `touched`: the L2 flushed, then `l2_probe.touch_kernel` over the K and V caches (evict-last loads);
 - `touched_then_qkv`: the L2 flushed, the touch, then the qkv product at 208 rows (its 50 MB weight
   streams through the L2 between the touch and attention, as in a step);
-- `qkv_then_touched`: the L2 flushed, the qkv product, then the touch.
+- `qkv_then_touched`: the L2 flushed, the qkv product, then the touch;
+- `beside`: the L2 flushed, then the touch on a second stream over IDLE_PROGRAMS programs while attention
+  runs (timed until both end): what the programs that a lone round leaves idle (stand-ins) could do inside
+  the kernel, reading the pages ahead of the working ones.
 And the touch's own time on TOUCH_PROGRAMS programs.
 
 `python3 -m reports.kv_prefetch_probe [--out FILE.json]` (a GPU with the Hopper path; seconds).
@@ -30,6 +33,7 @@ from reports.l2_probe import touch
 
 RUNS = 30
 TOUCH_PROGRAMS = 36  # about the SMs the qkv product leaves idle at 208 rows (96 tiles on 132 SMs)
+IDLE_PROGRAMS = 68  # the stand-ins of the 2k step's walk on 132 programs (64 items)
 
 
 def timed(before, run) -> float:
@@ -55,7 +59,8 @@ def main(argv=None) -> None:
     x = torch.randn(208, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16) / 64
     y = torch.empty(208, 6144, device="cuda", dtype=torch.bfloat16)
-    pre = touch(TOUCH_PROGRAMS, 1.0)
+    pre, beside_pre = touch(TOUCH_PROGRAMS, 1.0), touch(IDLE_PROGRAMS, 1.0)
+    side = torch.cuda.Stream()
     rows = []
     for name, layout in (("phi3", bk.phi3_layout()), ("dense", None)):
         p = bk.Prefill(2048, 208, layout, gen)
@@ -71,6 +76,14 @@ def main(argv=None) -> None:
         def qkv():
             torch.mm(x, w.t(), out=y)
 
+        def beside(p=p, run=run):
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                beside_pre(p.k)
+                beside_pre(p.v)
+            run()
+            torch.cuda.current_stream().wait_stream(side)
+
         for _ in range(3):
             run()
         row = dict(layout=name, kv_bytes=2 * p.k.numel() * p.k.element_size())
@@ -79,6 +92,7 @@ def main(argv=None) -> None:
         row["touched_us"] = timed(lambda: (flush.zero_(), touched()), run)
         row["touched_then_qkv_us"] = timed(lambda: (flush.zero_(), touched(), qkv()), run)
         row["qkv_then_touched_us"] = timed(lambda: (flush.zero_(), qkv(), touched()), run)
+        row["beside_us"] = timed(flush.zero_, beside)
         row["touch_alone_us"] = timed(flush.zero_, touched)
         row["qkv_alone_us"] = timed(flush.zero_, qkv)
         print(row, flush=True)
