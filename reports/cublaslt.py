@@ -62,13 +62,17 @@ class _Heuristic(ctypes.Structure):
     ]
 
 
+def _wheel_files(pattern: str) -> list[str]:
+    """Files named `pattern` in the CUDA wheels beside torch (site-packages/nvidia/...)."""
+    root = os.path.dirname(os.path.dirname(torch.__file__))
+    return glob.glob(os.path.join(root, "nvidia", "**", pattern), recursive=True)
+
+
 def _header() -> str | None:
     """cublasLt.h's text where the CUDA wheels ship it, else None."""
-    roots = [os.path.dirname(os.path.dirname(torch.__file__))]
-    for root in roots:
-        for path in glob.glob(os.path.join(root, "nvidia", "**", "cublasLt.h"), recursive=True):
-            with open(path) as f:
-                return f.read()
+    for path in _wheel_files("cublasLt.h")[:1]:
+        with open(path) as f:
+            return f.read()
     return None
 
 
@@ -89,9 +93,7 @@ def constants() -> tuple[dict, str]:
 def _lib() -> ctypes.CDLL:
     torch.ones(1, device="cuda") @ torch.ones(1, 1, device="cuda")  # torch loads its cuBLAS first
     names = ["libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"]
-    root = os.path.dirname(os.path.dirname(torch.__file__))
-    names += glob.glob(os.path.join(root, "nvidia", "**", "libcublasLt.so*"), recursive=True)
-    for name in names:
+    for name in names + _wheel_files("libcublasLt.so*"):
         try:
             return ctypes.CDLL(name)
         except OSError:
@@ -132,7 +134,7 @@ class Product:
                 f"expected x [M, K], weight [N, K], y [M, N], got {x.shape}, {weight.shape}, {y.shape}"
             )
         self.device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        self.shape, self.strides = (m, n, k), (x.stride(0), weight.stride(0), y.stride(0))
+        self.shape = (m, n, k)
         dtype = types[x.dtype]
         self.desc = ctypes.c_void_p()
         compute, scale = c["CUBLAS_COMPUTE_32F"], c["CUDA_R_32F"]
