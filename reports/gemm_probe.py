@@ -113,6 +113,11 @@ def split_k(parts: int):
     return run
 
 
+def relative_error(y: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest error of y against the float32 product `want`, over want's largest magnitude."""
+    return float((y.float() - want).abs().max() / want.abs().max())
+
+
 def time_call(fn, xs, ws, ys) -> float:
     """µs a call: a graph of REPLAYS calls cycling over the copies, the median of 15 replays."""
     for i in range(3):
@@ -158,13 +163,13 @@ def measure(rows: list[int], tiles: bool = True) -> list[dict]:
         torch.backends.cuda.preferred_blas_library("cublas")
         for parts in SPLITS:
             split_k(parts)(xs[0], ws[0], ys[0])
-            row[f"split{parts}_error"] = float((ys[0].float() - want).abs().max() / want.abs().max())
+            row[f"split{parts}_error"] = relative_error(ys[0], want)
             row[f"split{parts}_us"] = time_call(split_k(parts), xs, ws, ys)
         tried = []
         for descriptors, config in itertools.product((False, True), configs() if tiles else ()):
             fn = triton_mm(descriptors, config)
             fn(xs[0], ws[0], ys[0])
-            error = float((ys[0].float() - want).abs().max() / want.abs().max())
+            error = relative_error(ys[0], want)
             if error > 1e-2:
                 print(f"dropped: {name} M={M} descriptors={descriptors} {config}: error {error:.3g}")
                 continue

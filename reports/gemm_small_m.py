@@ -20,7 +20,7 @@ import torch
 import triton
 
 from reports import cublaslt, splitk_linear
-from reports.gemm_probe import WEIGHTS, cublas, operands, time_call
+from reports.gemm_probe import WEIGHTS, cublas, operands, relative_error, time_call
 
 ALGOS = 32  # how many algorithms to ask cuBLASLt's heuristic for
 
@@ -37,10 +37,6 @@ def tiles(rows: int, n: int) -> list[tuple[int, ...]]:
         if fits and (bm + bn) * bk * 2 * stages <= 220 * 1024 and 100 <= programs <= 400:
             out.append((bm, bn, bk, split, stages, warps))
     return out
-
-
-def error(y: torch.Tensor, want: torch.Tensor) -> float:
-    return float((y.float() - want).abs().max() / want.abs().max())
 
 
 def measure(rows: list[int], splits: bool) -> list[dict]:
@@ -63,7 +59,7 @@ def measure(rows: list[int], splits: bool) -> list[dict]:
             except RuntimeError as e:
                 print(f"algo {i} {config}: {e}")
                 continue
-            config.update(rank=i, error=error(ys[0], want))
+            config.update(rank=i, error=relative_error(ys[0], want))
             if config["error"] > 1e-2:
                 print(f"dropped: {name} M={M} algo {i} {config}")
                 continue
@@ -85,8 +81,9 @@ def measure(rows: list[int], splits: bool) -> list[dict]:
 
             first = splitk_linear.linear(xs[0], ws[0], tile)
             same = torch.equal(first, splitk_linear.linear(xs[0], ws[0], tile))
-            if error(first, want) > 1e-2 or not same:
-                print(f"dropped: {name} M={M} tile {tile}: error {error(first, want):.3g}, same bits {same}")
+            error = relative_error(first, want)
+            if error > 1e-2 or not same:
+                print(f"dropped: {name} M={M} tile {tile}: error {error:.3g}, same bits {same}")
                 continue
             row["tiles"].append([*tile, time_call(run, xs, ws, ys)])
         row["tiles"].sort(key=lambda t: t[-1])
