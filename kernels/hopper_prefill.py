@@ -360,16 +360,17 @@ def _plan_walk(
 ) -> Walk:
     """`plan_walk`'s walk, with its single round's stand-ins (`every_program`)."""
     full, partial = _item_tiles(counts, query_tiles, num_heads)
-    cost = full + PARTIAL_COST * partial + ITEM_COST  # an item's, in full tiles
-    num_items = cost.shape[0]
+    num_items = full.shape[0]
     rounds = -(-num_items // programs)
     if rounds <= 1 and not split:  # an item a program, what the rounds below come to (a step's ~0.1 ms)
-        w = np.argsort(-cost, kind="stable") if dealt_rounds else np.arange(num_items)
+        # Head-major even when dealt: every program runs at once, and every load is 0 when it is dealt
+        # (kernels/device_walk.py writes this walk on the device).
         units = np.empty((programs if every_program else num_items, UNIT_FIELDS), dtype=np.int64)
-        units[:num_items, 0], units[:num_items, 2] = w, full[w] + partial[w]
+        units[:num_items, 0], units[:num_items, 2] = np.arange(num_items), full + partial
         units[:, 1], units[:, 3], units[:, 4], units[:, 5] = 0, -1, 0, 1
         units[num_items:] = STAND_IN  # the idle programs', with `every_program`
         return Walk(np.minimum(np.arange(programs + 1), units.shape[0]), units, 0)
+    cost = full + PARTIAL_COST * partial + ITEM_COST  # an item's, in full tiles
     fixed = max(rounds - max(dealt_rounds, int(split)), 0)  # rounds taken in head-major order
     taken = np.full((rounds, programs), -1, dtype=np.int64)
     head_major = np.arange(fixed * programs).reshape(fixed, programs)

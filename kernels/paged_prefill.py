@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import hopper_prefill, tile_lists
+from kernels import device_walk, hopper_prefill, tile_lists
 from kernels._common import (
     FINITE_MIN,
     BoundLaunch,
@@ -226,7 +226,7 @@ class PrefillPlan:
         self.block_m = block_m
         tiles = _query_tiles(batch.seq_lens, batch.query_starts, block_m)
         self.grid = (len(tiles), batch.num_heads)
-        self.hopper = self.walk = None
+        self.hopper = self.walk = self.device_walk = None
         if not tiles:
             return
         self.lists = tile_lists.tile_lists(
@@ -283,6 +283,7 @@ class PrefillPlan:
                 (self.max_tiles, batch.num_heads), device, self.planned, self.descriptors, self.walk,
                 self.split_slots,
             )  # fmt: skip
+            self.device_walk = device_walk.bind(self.planned, batch.num_heads, self.programs, self.max_tiles)
 
     def _fill(self, tiles: list, seq_lens: list[int], query_starts: list[int], out=None) -> np.ndarray:
         """What the `tiles` buffer starts with (int32, written into the front of `out` when given): the
@@ -293,7 +294,7 @@ class PrefillPlan:
         size = pairs.shape[0]
         if self.programs:
             fits = None  # at planning: the launch is made for the walk
-            if self.walk is not None:  # a replan's walk fits the launch and the buffer
+            if self.hopper is not None:  # a replan's walk fits the launch and the buffer
                 room = self.planned["tiles"].shape[0] - 2 * self.max_tiles - self.programs - 1
                 fits = (self.split_slots, room // hopper_prefill.ROW_FIELDS)
             self.walk = hopper_prefill.settled_walk(
@@ -309,7 +310,9 @@ class PrefillPlan:
     def replan(self, seq_lens: list[int], query_start_loc: list[int]) -> None:
         """Re-plans, in place, for new values that the caller has written into the planned metadata
         tensors: the rows of `seq_lens`, then rows never read; block tables of the planned width whose
-        entries the caller vouches for (they are not read on the host). Costs no device sync.
+        entries the caller vouches for (they are not read on the host). Costs no device sync. On the
+        Hopper path a batch of at most a round of items has its walk written by the GPU
+        (kernels/device_walk.py: one launch), any other by the host and copied in.
 
         Args:
             seq_lens (list[int]): context plus new tokens, at most as many sequences as planned, each
@@ -333,6 +336,17 @@ class PrefillPlan:
             if not 0 <= query_start_loc[b + 1] - query_start_loc[b] <= seq_len <= max_len:
                 raise ValueError(f"replan: sequence {b} is not 0 <= queries <= length <= {max_len}")
         tiles = _query_tiles(seq_lens, query_start_loc, self.block_m)
+        if self.hopper is not None and device_walk.applies(len(tiles), self.grid[1], self.programs):
+            self.device_walk(len(seq_lens), len(tiles))  # the walk written on the device, no copy
+            self.walk = None  # a host walk no longer describes the buffer
+        else:
+            self._host_replan(tiles, seq_lens, query_start_loc)
+        self.grid = (len(tiles), self.grid[1])
+        self.launch = None
+        self.guard.rebase()
+
+    def _host_replan(self, tiles: list, seq_lens: list[int], query_start_loc: list[int]) -> None:
+        """The tiles buffer's new entries (`_fill`) written on the host and copied in, stream-ordered."""
         buffer = self.planned["tiles"]
         if self.staging is None:
             self.staging = torch.empty_like(buffer, device="cpu", pin_memory=buffer.is_cuda)
@@ -343,9 +357,6 @@ class PrefillPlan:
         buffer[:used].copy_(self.staging[:used], non_blocking=True)
         if self.copied is not None:
             self.copied.record()
-        self.grid = (len(tiles), self.grid[1])
-        self.launch = None
-        self.guard.rebase()
 
     @property
     def fixed_launch(self) -> bool:

@@ -6,6 +6,7 @@ turns by every arm, on one engine. An arm is the tree with some changes undone:
                        again (a lookup that stops hashing at the first unknown digest rests on them)
     no lead            prefill graphs without their lead (`StepGraph.LEAD`): the GPU waits for the first
                        replan (graphs of their own: a second `StepGraphs`)
+    host walk          every replan's walk made on the host and copied in (kernels/device_walk.py off)
     blas default       graphs whose linear layers take torch's default library at every token bucket,
                        every bucket kept (engine/blas_choice.py: graphs of their own, nothing timed)
     blas chosen        graphs whose linear layers take each bucket's faster library, and whose buckets
@@ -24,6 +25,7 @@ import statistics
 
 from engine import block_pool
 from engine.cuda_graphs import PrefillGraph, StepGraphs, linear_timer
+from kernels import device_walk
 from reports.ttft_phases import HIT, PROMPTS, WARMUP, engine, timed_request
 
 
@@ -42,7 +44,8 @@ ARMS = {
     "keys whole": ("keys whole",),
     "digests forgotten": ("keys whole", "digests forgotten"),
     "no lead": ("no lead",),
-    "all undone": ("keys whole", "digests forgotten", "no lead"),
+    "host walk": ("host walk",),
+    "all undone": ("keys whole", "digests forgotten", "no lead", "host walk"),
     "blas default": ("blas default",),
     "blas chosen": ("blas chosen",),
 }
@@ -51,7 +54,8 @@ ARMS = {
 @contextlib.contextmanager
 def undone(llm, undo: tuple, graphs: dict):
     """The tree with the changes named in `undo` undone, for one request (it resets the cache first)."""
-    page_keys, lead = block_pool.BlockPool.page_keys, PrefillGraph.LEAD
+    page_keys, lead, on_device = block_pool.BlockPool.page_keys, PrefillGraph.LEAD, device_walk.ENABLED
+    device_walk.ENABLED = "host walk" not in undo
     if "digests forgotten" in undo:
         llm.pool.digests = Forgetful()
     if "keys whole" in undo:
@@ -72,7 +76,7 @@ def undone(llm, undo: tuple, graphs: dict):
         yield
     finally:
         llm.pool.digests = {}  # consistent again at the next request's cache reset
-        block_pool.BlockPool.page_keys, PrefillGraph.LEAD = page_keys, lead
+        block_pool.BlockPool.page_keys, PrefillGraph.LEAD, device_walk.ENABLED = page_keys, lead, on_device
 
 
 def main(argv=None) -> None:

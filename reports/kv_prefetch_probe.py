@@ -13,7 +13,10 @@ For each layout, µs of the planned Hopper run alone (CUDA events around it, the
 - `qkv_then_touched`: the L2 flushed, the qkv product, then the touch;
 - `beside`: the L2 flushed, then the touch on a second stream over IDLE_PROGRAMS programs while attention
   runs (timed until both end): what the programs that a lone round leaves idle (stand-ins) could do inside
-  the kernel, reading the pages ahead of the working ones.
+  the kernel, reading the pages ahead of the working ones;
+- `qkv_then_cold` and `qkv_beside_touch`: the qkv product and then attention, timed together after a flush,
+  the second with the touch over TOUCH_PROGRAMS programs on a second stream beside the product (what a
+  graph could fork at a layer's start, with no change to the kernels).
 And the touch's own time on TOUCH_PROGRAMS programs.
 
 `python3 -m reports.kv_prefetch_probe [--out FILE.json]` (a GPU with the Hopper path; seconds).
@@ -32,6 +35,9 @@ from reports.hopper_timeline import L2_FLUSH_BYTES
 from reports.l2_probe import touch
 
 RUNS = 30
+# A device-side wait queued before each timed run (cycles, about 1 ms): the host enqueues `before` and the
+# run behind it, so the events time the GPU's work and not the launches' host cost.
+HEAD_START_CYCLES = 2_000_000
 TOUCH_PROGRAMS = 36  # about the SMs the qkv product leaves idle at 208 rows (96 tiles on 132 SMs)
 IDLE_PROGRAMS = 68  # the stand-ins of the 2k step's walk on 132 programs (64 items)
 
@@ -40,6 +46,7 @@ def timed(before, run) -> float:
     """µs of `run` alone after `before`, the median of RUNS."""
     spans = []
     for _ in range(RUNS):
+        torch.cuda._sleep(HEAD_START_CYCLES)
         before()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -84,6 +91,14 @@ def main(argv=None) -> None:
             run()
             torch.cuda.current_stream().wait_stream(side)
 
+        def qkv_beside(touched, run):
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                touched()
+            qkv()
+            torch.cuda.current_stream().wait_stream(side)
+            run()
+
         for _ in range(3):
             run()
         row = dict(layout=name, kv_bytes=2 * p.k.numel() * p.k.element_size())
@@ -93,6 +108,8 @@ def main(argv=None) -> None:
         row["touched_then_qkv_us"] = timed(lambda: (flush.zero_(), touched(), qkv()), run)
         row["qkv_then_touched_us"] = timed(lambda: (flush.zero_(), qkv(), touched()), run)
         row["beside_us"] = timed(flush.zero_, beside)
+        row["qkv_then_cold_us"] = timed(flush.zero_, lambda: (qkv(), run()))
+        row["qkv_beside_touch_us"] = timed(flush.zero_, lambda: qkv_beside(touched, run))
         row["touch_alone_us"] = timed(flush.zero_, touched)
         row["qkv_alone_us"] = timed(flush.zero_, qkv)
         print(row, flush=True)

@@ -6,7 +6,11 @@ Two parts, each printed as `label value` lines (ms, medians of the runs after tw
     phases  (--phases) the same 90% cached requests with `time.perf_counter` wrappers around the host's
             steps (admission's check, the page keys, the lookup, the packing, each plan's replan and walk,
             the copies, the sampler's wait) and the time from `generate`'s call to the first CUDA graph
-            replay, the replays' launches, and what follows them (the GPU's work, the read).
+            replay, the replays' launches, and what follows them (the GPU's work, the read); then the
+            same request's graphs replayed back to back (CUDA events around them: the GPU's time for the
+            step with no host between its graphs), and what the step spends beyond that after its
+            first replay (`after the first replay, beyond the graphs`: the GPU waiting for the host's
+            replans and launches, the sampler's read).
 A wrapper costs about a µs a call, so the phases overstate a little; ttft runs before the steps'
 wrappers are set (with --phases, the replays' marks are set before the engine: a µs a replay).
 Steps that a tree lacks are skipped: the script runs against another tree's engine as an A/B,
@@ -78,6 +82,7 @@ def timed_request(llm: LLM, length: int, share: float, run: int, clock: "Clock |
     if clock is not None:
         clock.spent.clear()
         clock.marks.clear()
+        clock.replayed.clear()
     start = time.perf_counter()
     llm.generate([prompt], SamplingParams(max_tokens=1))
     torch.cuda.synchronize()
@@ -100,6 +105,7 @@ class Clock:
     def __init__(self):
         self.spent: dict[str, float] = collections.defaultdict(float)
         self.marks: dict[str, float] = {}
+        self.replayed: list = []  # the graphs of the request, in order
 
     def wrap(self, module: str, path: str) -> None:
         owner = importlib.import_module(module)
@@ -127,11 +133,29 @@ class Clock:
 
         def marked(graph):
             self.marks.setdefault("first", time.perf_counter())
+            self.replayed.append(graph)
             out = replay(graph)
             self.marks["last"] = time.perf_counter()
             return out
 
+        marked.__wrapped__ = replay
         torch.cuda.CUDAGraph.replay = marked
+
+
+def back_to_back(graphs: list, runs: int = 5) -> float:
+    """ms of the GPU's time for these CUDA graphs replayed in order with nothing between them, the median
+    of `runs` (they replay the request's last step again: its K/V writes rewrite the same values)."""
+    replay = torch.cuda.CUDAGraph.replay.__wrapped__
+    spans = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for graph in graphs:
+            replay(graph)
+        end.record()
+        end.synchronize()
+        spans.append(start.elapsed_time(end))
+    return statistics.median(spans)
 
 
 def phases(llm: LLM, clock: Clock, tag: str) -> None:
@@ -144,6 +168,10 @@ def phases(llm: LLM, clock: Clock, tag: str) -> None:
             row["until the first replay"] = (clock.marks["first"] - start) * 1e3
             row["first to last replay"] = (clock.marks["last"] - clock.marks["first"]) * 1e3
             row["after the last replay"] = (end - clock.marks["last"]) * 1e3
+            row["graphs back to back"] = back_to_back(clock.replayed)
+            row["after the first replay, beyond the graphs"] = (
+                row["first to last replay"] + row["after the last replay"] - row["graphs back to back"]
+            )
             rows.append(row)
         print(f"phases {tag} L={length} h={HIT}, ms, medians of {RUNS - WARMUP}:")
         for label in rows[-1]:

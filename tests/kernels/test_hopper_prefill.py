@@ -18,6 +18,7 @@ from harness.cases import AttentionCase, LayoutSpec, attention_args, build_input
 from harness.judge import judge_attention, oracle
 from tests.kernels import test_plan
 
+device_walk = importlib.import_module("kernels.device_walk")
 hopper_prefill = importlib.import_module("kernels.hopper_prefill")
 paged_prefill = importlib.import_module("kernels.paged_prefill")
 pytestmark = [pytest.mark.gpu, pytest.mark.operator("paged_prefill")]
@@ -212,15 +213,18 @@ def test_host_descriptors_encoded_once_per_cache(hopper_path, monkeypatch):
     assert len(hopper_prefill._ENCODED) == 4
 
 
-@pytest.mark.parametrize("one_round", [False, True], ids=["whole", "split-one-round"])
+@pytest.mark.parametrize("walk", ["device", "host", "split-one-round"])
 @pytest.mark.parametrize(
     "name", ["dense-P64-batch", "dense-P8-D64-fp16-batch", "elements-S16-P32", "phi3-ctx0-q4096"]
 )
-def test_hopper_prefill_replanned_in_a_cuda_graph(hopper_path, monkeypatch, name, one_round):
+def test_hopper_prefill_replanned_in_a_cuda_graph(hopper_path, monkeypatch, name, walk):
     """A plan made for one more sequence, each at the table's whole length, captured in a CUDA graph,
     then replanned for the case in place and replayed (`PrefillPlan.replan`), against the oracle: the
-    small batches leave programs of the planned grid without an item (stand-in units), or, with
-    SPLIT_ONE_ROUND, split their items over them in the split states that the launch holds."""
+    small batches leave programs of the planned grid without an item (stand-in units), their walk
+    written by the GPU (kernels/device_walk.py) or, with it off, by the host; or, with
+    SPLIT_ONE_ROUND, their items split over those programs in the split states that the launch holds."""
+    one_round = walk == "split-one-round"
+    monkeypatch.setattr(device_walk, "ENABLED", walk == "device")
     if one_round:
         monkeypatch.setattr(hopper_prefill, "SPLIT_ONE_ROUND", True)
         monkeypatch.setattr(hopper_prefill, "MIN_SPLIT_TILES", 1)
@@ -235,6 +239,8 @@ def test_hopper_prefill_replanned_in_a_cuda_graph(hopper_path, monkeypatch, name
     assert plans and all(plan.fixed_launch for plan in plans), "the plan did not take the Hopper path"
     if name != "phi3-ctx0-q4096" and one_round:
         assert any(plan.walk.num_slots > 0 for plan in plans), "no replanned walk split an item"
+    elif name != "phi3-ctx0-q4096" and walk == "device":
+        assert any(plan.walk is None for plan in plans), "no replanned walk written on the device"
     elif name != "phi3-ctx0-q4096":
         assert any((plan.walk.units[:, 0] < 0).any() for plan in plans), "no stand-in unit"
 
