@@ -110,7 +110,10 @@ def test_prefill_graph_padding_rows_write_no_kv(whole_prefill):
     for prompt in prompts:
         assert_equivalent(llm.generate([prompt], params), eager.generate([prompt], params))
     graphs = llm.runner.graphs
-    assert sorted(graphs.prefill if whole_prefill else graphs.pieces) == [32]
+    # One bucket for all three: 32, or on a GPU a larger one where the linear layers' calibration drops
+    # 32 (engine/blas_choice.py's kept_buckets: 40 rows measured 3% faster, as an H100 once did).
+    bucket = next(t for t in graphs.token_buckets if t >= 30)
+    assert sorted(graphs.prefill if whole_prefill else graphs.pieces) == [bucket]
 
 
 @pytest.mark.parametrize("num_layers", [1, 2, 3, 4, 7, 32])
