@@ -20,7 +20,7 @@ import triton.language as tl
 from kernels import hopper_prefill
 from kernels._common import BoundLaunch
 
-# Off: every replan's walk made on the host and copied (the A/B's other arm, reports/ttft_phases.py).
+# Off: every replan's walk made on the host and copied (the A/B's other arm, reports/host_ab.py).
 ENABLED = True
 
 
