@@ -283,7 +283,6 @@ class PrefillPlan:
                 (self.max_tiles, batch.num_heads), device, self.planned, self.descriptors, self.walk,
                 self.split_slots,
             )  # fmt: skip
-            self.device_walk = device_walk.bind(self.planned, batch.num_heads, self.programs, self.max_tiles)
 
     def _fill(self, tiles: list, seq_lens: list[int], query_starts: list[int], out=None) -> np.ndarray:
         """What the `tiles` buffer starts with (int32, written into the front of `out` when given): the
@@ -337,6 +336,8 @@ class PrefillPlan:
                 raise ValueError(f"replan: sequence {b} is not 0 <= queries <= length <= {max_len}")
         tiles = _query_tiles(seq_lens, query_start_loc, self.block_m)
         if self.hopper is not None and device_walk.applies(len(tiles), self.grid[1], self.programs):
+            if self.device_walk is None:  # bound at the first replan that needs it: most plans never replan
+                self.device_walk = device_walk.bind(self.planned, self.grid[1], self.programs, self.max_tiles)
             self.device_walk(len(seq_lens), len(tiles))  # the walk written on the device, no copy
             self.walk = None  # a host walk no longer describes the buffer
         else:
