@@ -194,6 +194,8 @@ class StepGraph:
 
         @torch.no_grad()
         def lead():  # (h, cos, sin, q, k, v): `start` and the first layer's attention inputs
+            for launch in walks:
+                launch()
             h, *rope = start()
             return (h, *rope, *model.layers[0].attention_inputs(h, rope))
 
@@ -214,6 +216,8 @@ class StepGraph:
             torch.cuda.synchronize(runner.device)
         if not self._replayable(meta.plans, capture):
             return False
+        walks = self._walk_launches(meta.plans, capture) if self.LEAD else []
+        self.lead_walks = bool(walks)
         parts = segments(len(model.layers))
         self.replays, out = [], ()
         if self.LEAD:
@@ -229,6 +233,10 @@ class StepGraph:
 
     def _replayable(self, plans: dict, capture) -> bool:
         return True
+
+    def _walk_launches(self, plans: dict, capture) -> list:
+        """Launches that the lead runs first: none here."""
+        return []
 
     def _replay(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         for replay in self.replays:
@@ -382,6 +390,20 @@ class PrefillGraph(StepGraph):
             plan.fixed_launch for key, plan in plans.items() if key[0] == "prefill"
         )
 
+    def _walk_launches(self, plans: dict, capture) -> list:
+        """Each prefill plan's `walk_launch`, where every plan has one and the step is captured on a GPU:
+        the lead then writes a lone round's walks on the device, and such a step needs no replan. Each is
+        run once before the capture (which compiles it; the capture's batch takes more than a round of
+        items, or the walk the plan already holds)."""
+        prefill = [plan for key, plan in plans.items() if key[0] == "prefill"]
+        launches = [getattr(plan, "walk_launch", lambda: None)() for plan in prefill]
+        if capture is rerun_capture or not prefill or None in launches:
+            return []
+        for launch in launches:
+            launch()
+        self.walked = prefill
+        return launches
+
     def run(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits float32 [samples, vocab_size] of the rows of `batch` (ScheduledSeq, at most `seqs`, at
         least two tokens each, at most `tokens` in all) that sample (`ScheduledSeq.samples`), in order,
@@ -399,8 +421,11 @@ class PrefillGraph(StepGraph):
         for b, item in enumerate(batch):
             self.inputs.pack("tables", item.seq.block_table, b * self.width)
         self.inputs.copy("tables", (len(batch) - 1) * self.width + len(batch[-1].seq.block_table))
+        # A lone round's walks are the lead's to write; any other batch's, each plan's replan's, just
+        # before the first segment that reads it, while the GPU runs the segments before.
+        lone = self.lead_walks and all(plan.lone_round(lens, starts) for plan in self.walked)
         for replay, plans in zip(self.replays, self.segment_plans, strict=True):
-            for plan in plans:
+            for plan in [] if lone else plans:
                 plan.replan(lens, starts)
             replay()
         return self.logits[: len(samples)], self.pairs[: len(samples)]

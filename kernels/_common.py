@@ -183,8 +183,7 @@ class BoundLaunch:
     binding the arguments: that binding took 30-45 µs of a launch on the H200
     (reports/gpu/kernel-ab.md). Any other call, and every call under the interpreter, goes through
     `kernel[grid]`, which compiles what it must. Triton's launch hooks (profilers) still see every
-    launch. A per-run integer (a batch's count) must be a `do_not_specialize` parameter: the compiled
-    kernel then serves every value.
+    launch.
     """
 
     def __init__(self, kernel, grid, device: torch.device, **planned):
@@ -199,8 +198,6 @@ class BoundLaunch:
         self.direct = device.type == "cuda" and not interpreted()
         self.compiled = {}  # this plan's: per-run key -> compiled kernel, filled from _COMPILED
         self.shared_key = (kernel, planned_specialization(kernel, planned)) if self.direct else None
-        params = kernel.params[: self.num_per_run] if self.direct else ()
-        self.unspecialized = [param.do_not_specialize for param in params]
 
     def __call__(self, *tensors: torch.Tensor) -> None:
         if len(tensors) != self.num_per_run:
@@ -209,7 +206,9 @@ class BoundLaunch:
             self.kernel[self.grid](*tensors, **self.planned)
             return
         device = torch.cuda.current_device()
-        key = (device, *map(self._run_key, tensors, self.unspecialized))
+        # A TMA descriptor (its shape and layout fixed by the plan) specializes by its base tensor.
+        bases = (getattr(t, "base", t) for t in tensors)
+        key = (device, *((t.dtype, t.data_ptr() % 16 == 0) for t in bases))
         compiled = self.compiled.get(key)
         if compiled is None:
             compiled = _COMPILED.get((*self.shared_key, key))
@@ -252,17 +251,6 @@ class BoundLaunch:
             *tensors,
             *self.tail,
         )
-
-    @staticmethod
-    def _run_key(value, unspecialized: bool):
-        """What a per-run argument specializes by: a tensor's dtype and 16-byte alignment (a TMA
-        descriptor, its shape and layout fixed by the plan, by its base tensor's), an integer nothing."""
-        if isinstance(value, int):
-            if not unspecialized:
-                raise TypeError("BoundLaunch: a per-run integer must be a do_not_specialize parameter")
-            return int
-        base = getattr(value, "base", value)
-        return base.dtype, base.data_ptr() % 16 == 0
 
 
 @functools.cache

@@ -4,14 +4,17 @@ A replan (`kernels.paged_prefill.PrefillPlan.replan`) writes the new batch's wal
 buffer: on the host (`hopper_prefill.settled_walk` and `Walk.flat`, then a copy) that took 0.2-0.4 ms a
 plan on the device's hosts, while the GPU, started on a step's first graph, waited for it (an engine's
 2k step with 90% cached: 0.9 ms of the GPU idle after its first replay on an H100's host,
-reports/gpu/ttft-phases-h100-walk.txt). Where the batch's items fit one round (`applies`: a (query
-tile, head) item a program, the programs left over taking stand-ins), the walk is a pure function of
-the sequences' lengths and query counts, which the plan's metadata tensors already hold on the device:
-`lone_round_walk_kernel` writes it there, the same int32 entries as the host's `flat()` walk
-(tests/kernels/test_device_walk.py), for one launch and no copy.
+reports/gpu/ttft-phases-h100-walk.txt). Where the batch's items fit one round (`lone_round`: a (query
+tile, head) item a program, the programs left over taking stand-ins, or with SPLIT_ONE_ROUND the items'
+parts), the walk is a pure function of the sequences' lengths and query counts and of the layout's
+list counts, which the plan's tensors hold on the device: `lone_round_walk_kernel` writes it there,
+the same int32 entries as the host's walk (tests/kernels/test_device_walk.py), for one launch and no
+copy. The kernel reads the batch from the device alone and writes nothing for a batch of more than a
+round, so that a CUDA graph can hold it: an engine's prefill graph launches it in its lead, and a step
+of a lone round then needs no replan on the host at all (engine/cuda_graphs.py).
 
 spec: `hopper_prefill.settled_walk(...).flat(...)` after the (sequence, absolute query tile) pairs of
-`paged_prefill._query_tiles`, where `applies` holds.
+`paged_prefill._query_tiles`, where `lone_round` holds; nothing written where it does not.
 """
 
 import triton
@@ -24,22 +27,52 @@ from kernels._common import BoundLaunch
 ENABLED = True
 
 
-def applies(num_tiles: int, num_heads: int, programs: int) -> bool:
+def num_query_tiles(seq_lens: list[int], query_starts: list[int], block_m: int) -> int:
+    """How many query tiles of `block_m` positions a batch's queries touch (`paged_prefill._query_tiles`'
+    count): a sequence with queries spans its context's tile to its last position's."""
+    tiles = 0
+    for b, seq_len in enumerate(seq_lens):
+        queries = query_starts[b + 1] - query_starts[b]
+        if queries:
+            tiles += (seq_len - 1) // block_m - (seq_len - queries) // block_m + 1
+    return tiles
+
+
+def active() -> bool:
+    """Whether lone rounds have their walks written by the GPU: ENABLED, and SPLIT_LAST (whose dealt
+    split stays the host's) off."""
+    return ENABLED and not hopper_prefill.SPLIT_LAST
+
+
+def lone_round(num_tiles: int, num_heads: int, programs: int) -> bool:
     """Whether a batch of `num_tiles` query tiles (of `num_heads` heads each) has its walk written by
-    the GPU: with ENABLED, at most a round of items, and none of the walks that split items
-    (SPLIT_ONE_ROUND, SPLIT_LAST), which stay the host's."""
-    return (
-        ENABLED
-        and 0 < num_tiles * num_heads <= programs
-        and not hopper_prefill.SPLIT_ONE_ROUND
-        and not hopper_prefill.SPLIT_LAST
-    )
+    the GPU: `active()`, and at most a round of items."""
+    return active() and 0 < num_tiles * num_heads <= programs
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_tiles"])
+@triton.jit
+def _item_fields(w, num_seqs, num_tiles, num_heads, seq_lens, query_start_loc, BLOCK_M: tl.constexpr):
+    """(sequence, absolute query tile, head) of items w (`hopper_prefill._item_tiles`' head-major
+    numbering: head w // num_tiles, the batch's query tile num_tiles - 1 - w % num_tiles); 0s where w
+    is negative."""
+    item_tile = tl.where(w >= 0, num_tiles - 1 - w % num_tiles, -1)  # a stand-in's matches no tile
+    item_seq = tl.zeros(w.shape, tl.int32)
+    item_abs = tl.zeros(w.shape, tl.int32)
+    first = 0
+    for b in range(num_seqs):
+        seq_len = tl.load(seq_lens + b)
+        queries = tl.load(query_start_loc + b + 1) - tl.load(query_start_loc + b)
+        context = seq_len - queries
+        count = tl.where(queries > 0, (seq_len - 1) // BLOCK_M - context // BLOCK_M + 1, 0)
+        mine = (item_tile >= first) & (item_tile < first + count)
+        item_seq = tl.where(mine, b, item_seq)
+        item_abs = tl.where(mine, context // BLOCK_M + item_tile - first, item_abs)
+        first += count
+    return item_seq, item_abs, tl.where(w >= 0, w // num_tiles, 0)
+
+
+@triton.jit
 def lone_round_walk_kernel(
-    num_seqs,
-    num_tiles,
     tiles,
     seq_lens,
     query_start_loc,
@@ -47,81 +80,122 @@ def lone_round_walk_kernel(
     stride_list_kind,
     stride_list_tile,
     stride_list_head,
+    num_seqs,
     num_heads,
     programs,
     walk_start,
+    split_slots,
     BLOCK_M: tl.constexpr,
     ROW_FIELDS: tl.constexpr,
     BLOCK: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PARTIAL_TENTHS: tl.constexpr,
+    SPLIT_TENTHS: tl.constexpr,
+    MIN_SPLIT_TILES: tl.constexpr,
 ):
-    """One program. tiles: int32, (sequence, absolute query tile) of each of the `num_tiles` query
-    tiles of the first `num_seqs` sequences at its front, the walk from `walk_start`: the offsets
-    0 .. programs, then a row of ROW_FIELDS a program (`hopper_prefill.Walk.flat`): program p < items
-    takes item p (head p // num_tiles, query tile num_tiles - 1 - p % num_tiles, whole), the others a
-    stand-in. BLOCK: a power of two > programs."""
-    p = tl.arange(0, BLOCK)
-    # Query tile k of the batch's forward order: its sequence and absolute tile, from the sequences'
-    # tile counts (a sequence with queries spans its context's tile to its last position's).
-    k = tl.where(p < num_tiles, p, -1)
-    item = p < num_tiles * num_heads
-    item_tile = tl.where(item, num_tiles - 1 - p % num_tiles, -1)  # a stand-in's matches no tile
-    seq = tl.zeros([BLOCK], tl.int32)
-    tile = tl.zeros([BLOCK], tl.int32)
-    item_seq = tl.zeros([BLOCK], tl.int32)
-    item_abs = tl.zeros([BLOCK], tl.int32)
-    first = 0
+    """One program, over the plan's `num_seqs` metadata rows (rows past a batch's own have no queries).
+    Where the batch's items fit a round, writes into `tiles` the (sequence, absolute query tile) of each
+    query tile at its front, the walk from `walk_start`: the offsets 0 .. programs, then a row of
+    ROW_FIELDS a program (`hopper_prefill.Walk.flat`). Unsplit, program p < items takes item p whole;
+    with SPLIT (`hopper_prefill.split_one_round`, where its cost model splits and `split_slots` states
+    hold the parts), program p < items * k takes part p % k of item p // k; the others a stand-in.
+    BLOCK: a power of two > programs."""
+    num_tiles = 0
     for b in range(num_seqs):
         seq_len = tl.load(seq_lens + b)
         queries = tl.load(query_start_loc + b + 1) - tl.load(query_start_loc + b)
-        context = seq_len - queries
-        count = tl.where(queries > 0, (seq_len - 1) // BLOCK_M - context // BLOCK_M + 1, 0)
-        mine = (k >= first) & (k < first + count)
-        seq = tl.where(mine, b, seq)
-        tile = tl.where(mine, context // BLOCK_M + k - first, tile)
-        mine = (item_tile >= first) & (item_tile < first + count)
-        item_seq = tl.where(mine, b, item_seq)
-        item_abs = tl.where(mine, context // BLOCK_M + item_tile - first, item_abs)
-        first += count
-    pairs = p < num_tiles
-    tl.store(tiles + 2 * p, seq, mask=pairs)
-    tl.store(tiles + 2 * p + 1, tile, mask=pairs)
-    walk = tiles + walk_start
-    tl.store(walk + p, p, mask=p <= programs)
-    # Each program's row: an item's (sequence, tile, head, full tiles, begin, end, slot -1, first slot
-    # 0, 1 part, first query, context, length); a stand-in's zeros but for its whole-item fields.
-    head = tl.where(item, p // num_tiles, 0)
-    lists = tile_lists + item_abs * stride_list_tile + head * stride_list_head
-    full = tl.load(lists, mask=item, other=0)
-    partial = tl.load(lists + stride_list_kind, mask=item, other=0)
-    seq_len = tl.load(seq_lens + item_seq, mask=item, other=0)
-    start = tl.load(query_start_loc + item_seq, mask=item, other=0)
-    end = tl.load(query_start_loc + item_seq + 1, mask=item, other=0)
-    row = walk + programs + 1 + p * ROW_FIELDS
-    rows = p < programs
-    tl.store(row, item_seq, mask=rows)
-    tl.store(row + 1, item_abs, mask=rows)
-    tl.store(row + 2, head, mask=rows)
-    tl.store(row + 3, full, mask=rows)
-    tl.store(row + 4, 0 * p, mask=rows)
-    tl.store(row + 5, full + partial, mask=rows)
-    tl.store(row + 6, 0 * p - 1, mask=rows)
-    tl.store(row + 7, 0 * p, mask=rows)
-    tl.store(row + 8, 0 * p + 1, mask=rows)
-    tl.store(row + 9, start, mask=rows)
-    tl.store(row + 10, seq_len - (end - start), mask=rows)
-    tl.store(row + 11, seq_len, mask=rows)
+        num_tiles += tl.where(queries > 0, (seq_len - 1) // BLOCK_M - (seq_len - queries) // BLOCK_M + 1, 0)
+    num_items = num_tiles * num_heads
+    if (num_items > 0) & (num_items <= programs):
+        p = tl.arange(0, BLOCK)
+        # The query tiles in the batch's forward order: tile k's fields are item k's of head 0, by the
+        # walk's numbering (the last tile first).
+        k = tl.where(p < num_tiles, num_tiles - 1 - p, -1)
+        seq, tile, _ = _item_fields(k, num_seqs, num_tiles, num_heads, seq_lens, query_start_loc, BLOCK_M)
+        pairs = p < num_tiles
+        tl.store(tiles + 2 * p, seq, mask=pairs)
+        tl.store(tiles + 2 * p + 1, tile, mask=pairs)
+        parts = num_items * 0 + 1
+        if SPLIT:
+            item = p < num_items
+            item_seq, item_abs, head = _item_fields(
+                tl.where(item, p, -1), num_seqs, num_tiles, num_heads, seq_lens, query_start_loc, BLOCK_M
+            )
+            lists = tile_lists + item_abs * stride_list_tile + head * stride_list_head
+            cost = 10 * tl.load(lists, mask=item, other=0)
+            cost += PARTIAL_TENTHS * tl.load(lists + stride_list_kind, mask=item, other=0)
+            most = tl.min(tl.where(item, cost // (PARTIAL_TENTHS * (MIN_SPLIT_TILES + 1)), programs), 0)
+            split = tl.minimum(programs // num_items, most)
+            # A part of the costliest item (its share, SPLIT_COST and a partial tile) ends sooner than it
+            # whole, and the launch holds the parts' states.
+            sooner = tl.max(cost, 0) * (split - 1) > split * (SPLIT_TENTHS + PARTIAL_TENTHS)
+            parts = tl.where((split >= 2) & sooner & (num_items * split <= split_slots), split, 1)
+        walk = tiles + walk_start
+        tl.store(walk + p, p, mask=p <= programs)
+        # Each program's row: its item's (sequence, tile, head, full tiles, begin, end, slot, first slot,
+        # parts, first query, context, length); a stand-in's zeros but for its whole-item fields.
+        unit = p < num_items * parts
+        w = tl.where(unit, p // parts, -1)
+        i = p % parts
+        item_seq, item_abs, head = _item_fields(
+            w, num_seqs, num_tiles, num_heads, seq_lens, query_start_loc, BLOCK_M
+        )
+        lists = tile_lists + item_abs * stride_list_tile + head * stride_list_head
+        full = tl.load(lists, mask=unit, other=0)
+        partial = tl.load(lists + stride_list_kind, mask=unit, other=0)
+        cost = 10 * full + PARTIAL_TENTHS * partial
+        # Where the cut at cost x (tenths) falls: the nearest tile, half up, full tiles first.
+        x = cost * i // parts
+        begin = tl.where(
+            x <= 10 * full,
+            (x + 5) // 10,
+            full + (2 * (x - 10 * full) + PARTIAL_TENTHS) // (2 * PARTIAL_TENTHS),
+        )
+        x = cost * (i + 1) // parts
+        end = tl.where(
+            x <= 10 * full,
+            (x + 5) // 10,
+            full + (2 * (x - 10 * full) + PARTIAL_TENTHS) // (2 * PARTIAL_TENTHS),
+        )
+        split_unit = unit & (parts > 1)
+        seq_len = tl.load(seq_lens + item_seq, mask=unit, other=0)
+        start = tl.load(query_start_loc + item_seq, mask=unit, other=0)
+        stop = tl.load(query_start_loc + item_seq + 1, mask=unit, other=0)
+        row = walk + programs + 1 + p * ROW_FIELDS
+        rows = p < programs
+        tl.store(row, item_seq, mask=rows)
+        tl.store(row + 1, item_abs, mask=rows)
+        tl.store(row + 2, head, mask=rows)
+        tl.store(row + 3, full, mask=rows)
+        tl.store(row + 4, tl.where(unit, begin, 0), mask=rows)
+        tl.store(row + 5, tl.where(unit, end, 0), mask=rows)
+        tl.store(row + 6, tl.where(split_unit, p, -1), mask=rows)
+        tl.store(row + 7, tl.where(split_unit, p - i, 0), mask=rows)
+        tl.store(row + 8, tl.where(unit, parts, 1), mask=rows)
+        tl.store(row + 9, start, mask=rows)
+        tl.store(row + 10, seq_len - (stop - start), mask=rows)
+        tl.store(row + 11, seq_len, mask=rows)
 
 
-def bind(planned: dict, num_heads: int, programs: int, max_tiles: int) -> BoundLaunch:
+def bind(
+    planned: dict, num_seqs: int, num_heads: int, programs: int, max_tiles: int, split_slots: int
+) -> BoundLaunch:
     """The launch of `lone_round_walk_kernel` over a plan's planned arguments (its tiles buffer, seq_lens,
-    query_start_loc and lists): called with (num_seqs, num_tiles) of the batch whose metadata the
-    caller wrote into those tensors, it writes that batch's walk, stream-ordered before the next run."""
+    query_start_loc and lists, `num_seqs` rows of metadata): called with no argument, it writes the walk of
+    the batch that those tensors then hold (stream-ordered), if that batch is a lone round. SPLIT_ONE_ROUND
+    and the cost model's constants are read here, once."""
     own = dict(
+        num_seqs=num_seqs,
         num_heads=num_heads,
         programs=programs,
         walk_start=2 * max_tiles,
+        split_slots=split_slots,
         ROW_FIELDS=hopper_prefill.ROW_FIELDS,
         BLOCK=triton.next_power_of_2(programs + 1),
+        SPLIT=hopper_prefill.SPLIT_ONE_ROUND,
+        PARTIAL_TENTHS=hopper_prefill.cost_tenths(hopper_prefill.PARTIAL_COST),
+        SPLIT_TENTHS=hopper_prefill.cost_tenths(hopper_prefill.SPLIT_COST),
+        MIN_SPLIT_TILES=hopper_prefill.MIN_SPLIT_TILES,
     )
     names = set(lone_round_walk_kernel.arg_names) - own.keys()
     shared = {name: value for name, value in planned.items() if name in names}

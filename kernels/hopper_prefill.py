@@ -94,12 +94,13 @@ CHEAPEST_LAST_GAIN = 0.005
 SPLIT_LAST = False
 MIN_SPLIT_TILES, SPLIT_COST = 4, 4.0
 # A walk of one round that leaves programs idle (an engine's step over a cached prefix: 208 queries
-# of a 2k prompt are 64 items on 132 programs, 42 µs a layer on the H200) may split its items over
+# of a 2k prompt are 64 items on 132 programs, 42 µs a layer on the H200) splits its items over
 # them, a part a program, where the cost model ends it sooner (SPLIT_ONE_ROUND, `split_one_round`).
 # A launch that a plan of at most about a round's tokens makes (`split_slots`) holds the states of
-# such a walk, so that its replans (an engine's prefill graphs) may split too. Off: on an H100 the
-# engine's 2k step spent 0.18 ms less in its kernels and 0.5 ms more on the host (kernel-ab.md §27).
-SPLIT_ONE_ROUND = False
+# such a walk, so that its replans (an engine's prefill graphs) split too. On an H100 the engine's 2k
+# step spent 0.18 ms less in its kernels (kernel-ab.md §27); its walk was the host's then, 0.5 ms more
+# there, and is the GPU's now (kernels/device_walk.py).
+SPLIT_ONE_ROUND = True
 # A masked tile's weights times the slot's V as it is, the tile taken again with V checked and copied
 # only when that product is not finite (V is nearly always finite): its masked tiles cost 1200 cycles
 # less. It was 0.7-4.2% faster than the tile checked first at every row of issue 16's table up to 32k
@@ -298,49 +299,44 @@ def split_slots(num_tokens: int, num_heads: int, programs: int) -> int:
 
 
 def split_one_round(counts: torch.Tensor, query_tiles: list, num_heads: int, programs: int) -> Walk | None:
-    """A walk of fewer items than programs, items split into parts at equal shares of their cost
-    (rounded to tiles; SPLIT_COST more each), a part a program, stand-ins for the programs left: while
-    a program is idle, the busiest item (by its parts' cost) takes one more where that lowers its
-    parts' cost by more than a rounded tile's and leaves them MIN_SPLIT_TILES tiles or more. None where
-    the busiest program would not end sooner than the costliest item whole, by the cost model.
-    counts, query_tiles: `plan_walk`'s. Costs tens of µs, where `plan_walk`'s split (a stream of tiles
-    cut at the programs' common end) took 0.6 ms at the engine's 2k step."""
+    """A walk of fewer items than programs, every item split into k parts, a part a program, stand-ins
+    for the programs left: k = programs // items, but no more than leaves each part a share of at least
+    MIN_SPLIT_TILES + 1 partial tiles' cost. An item's parts cut its tiles (full, then partial) at equal
+    shares of its cost, each cut at the nearest tile (half up). None where k < 2, or where a part of the
+    costliest item (its share, SPLIT_COST and a tile's rounding) would end no sooner than that item
+    whole, by the cost model. Costs are integer tenths of a full tile (`cost_tenths`), so that
+    kernels/device_walk.py writes the same walk on the GPU. counts, query_tiles: `plan_walk`'s. Every
+    part runs at once, so the order of the items' parts over the programs does not matter."""
     full, partial = _item_tiles(counts, query_tiles, num_heads)
-    cost = full + PARTIAL_COST * partial
-    # A share of c / k spans at least c / k / PARTIAL_COST tiles, less one for its ends' rounding.
-    most = (cost // (PARTIAL_COST * (MIN_SPLIT_TILES + 1))).tolist()
-    parts, costs = [1] * cost.shape[0], cost.tolist()
-    heap = [(-c, j) for j, c in enumerate(costs)]  # each item's part cost, the busiest first
-    heapq.heapify(heap)
-    for _ in range(programs - len(parts)):
-        busiest, j = heap[0]
-        k = parts[j] + 1
-        share = costs[j] / k + SPLIT_COST
-        # A part costs at most its share and a tile's (PARTIAL_COST) for its ends' rounding.
-        if k > most[j] or share + PARTIAL_COST >= -busiest:
-            break
-        parts[j] = k
-        heapq.heapreplace(heap, (-share, j))
-    k = np.asarray(parts)
-    # Where an item as costly as the costliest is left whole, the busiest program ends no sooner.
-    if not cost.shape[0] or np.where(k > 1, cost / k + SPLIT_COST + PARTIAL_COST, cost).max() >= cost.max():
+    num_items = full.shape[0]
+    partial_cost, split_cost = cost_tenths(PARTIAL_COST), cost_tenths(SPLIT_COST)
+    cost = 10 * full + partial_cost * partial
+    if not num_items:
         return None
-    order = np.argsort(-cost, kind="stable")  # the costliest items' parts first
-    k = k[order]
-    w, kw = np.repeat(order, k), np.repeat(k, k)
-    i = np.arange(w.shape[0]) - np.repeat(np.cumsum(k) - k, k)  # a part's index in its item
+    k = min(programs // num_items, int((cost // (partial_cost * (MIN_SPLIT_TILES + 1))).min()))
+    if k < 2 or cost.max() * (k - 1) <= k * (split_cost + partial_cost):
+        return None
+    p = np.arange(num_items * k)
+    w, i = p // k, p % k
     f, c = full[w], cost[w]
 
-    def cut(x):  # the tile at cost x of an item: in its full tiles, then in its partial ones
-        return np.rint(np.where(x <= f, x, f + (x - f) / PARTIAL_COST))
+    def cut(x):  # the tile at cost x (tenths) of an item: in its full tiles, then in its partial ones
+        return np.where(
+            x <= 10 * f, (x + 5) // 10, f + (2 * (x - 10 * f) + partial_cost) // (2 * partial_cost)
+        )
 
-    split = kw > 1
-    slot = np.where(split, np.cumsum(split) - 1, -1)
     units = np.full((programs, UNIT_FIELDS), STAND_IN, dtype=np.int64)
-    units[: w.shape[0]] = np.stack(
-        [w, cut(c * i / kw), cut(c * (i + 1) / kw), slot, np.where(split, slot - i, 0), kw], 1
-    )
-    return Walk(np.arange(programs + 1), units, int(np.count_nonzero(split)))
+    units[: p.shape[0]] = np.stack([w, cut(c * i // k), cut(c * (i + 1) // k), p, w * k, 0 * p + k], 1)
+    return Walk(np.arange(programs + 1), units, p.shape[0])
+
+
+def cost_tenths(cost: float) -> int:
+    """A cost model's constant (PARTIAL_COST, SPLIT_COST) in integer tenths of a full tile; ValueError
+    for one that is not a whole number of tenths."""
+    tenths = round(cost * 10)
+    if tenths < 0 or abs(tenths - cost * 10) > 1e-9:
+        raise ValueError(f"a cost must be a non-negative whole number of tenths of a tile, got {cost}")
+    return tenths
 
 
 def _item_tiles(counts: torch.Tensor, query_tiles: list, num_heads: int) -> tuple[np.ndarray, np.ndarray]:

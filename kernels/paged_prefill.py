@@ -335,10 +335,8 @@ class PrefillPlan:
             if not 0 <= query_start_loc[b + 1] - query_start_loc[b] <= seq_len <= max_len:
                 raise ValueError(f"replan: sequence {b} is not 0 <= queries <= length <= {max_len}")
         tiles = _query_tiles(seq_lens, query_start_loc, self.block_m)
-        if self.hopper is not None and device_walk.applies(len(tiles), self.grid[1], self.programs):
-            if self.device_walk is None:  # bound at the first replan that needs it: most plans never replan
-                self.device_walk = device_walk.bind(self.planned, self.grid[1], self.programs, self.max_tiles)
-            self.device_walk(len(seq_lens), len(tiles))  # the walk written on the device, no copy
+        if self.hopper is not None and device_walk.lone_round(len(tiles), self.grid[1], self.programs):
+            self.walk_launch()()  # the walk written on the device, no copy
             self.walk = None  # a host walk no longer describes the buffer
         else:
             self._host_replan(tiles, seq_lens, query_start_loc)
@@ -358,6 +356,25 @@ class PrefillPlan:
         buffer[:used].copy_(self.staging[:used], non_blocking=True)
         if self.copied is not None:
             self.copied.record()
+
+    def walk_launch(self) -> BoundLaunch | None:
+        """On the Hopper path with `device_walk.ENABLED` (and SPLIT_LAST off), the launch that writes, on
+        the device, the walk of the batch whose metadata the plan's tensors hold where it is a lone round
+        (`device_walk.lone_round`), and nothing otherwise: a CUDA graph may hold it (bound at the first
+        call: most plans never replan). None elsewhere."""
+        if self.hopper is None or not device_walk.active():
+            return None
+        if self.device_walk is None:
+            self.device_walk = device_walk.bind(
+                self.planned, self.bounds[0], self.grid[1], self.programs, self.max_tiles, self.split_slots
+            )
+        return self.device_walk
+
+    def lone_round(self, seq_lens: list[int], query_start_loc: list[int]) -> bool:
+        """Whether `walk_launch` writes the walk of this batch (`replan`'s arguments): a lone round, with
+        the launch bound."""
+        tiles = device_walk.num_query_tiles(seq_lens, query_start_loc, self.block_m)
+        return self.device_walk is not None and device_walk.lone_round(tiles, self.grid[1], self.programs)
 
     @property
     def fixed_launch(self) -> bool:

@@ -43,10 +43,11 @@
 #                                             on, the kernel's A/B on the engine's 2k step
 #                                             (hopper_ab --rows engine) and the engine's steps with it
 #                                             off and on in turns (engine_steps --rows split-one-round)
-#   bash reports/gpu_check.sh OUT_DIR walk     issue 17's lone-round walk written on the GPU (kernels/device_walk.py):
-#                                             the engine's and the planned prefill's tests, the engine with it
-#                                             and with the host's walk in turns (host_ab), the TTFT phases, and
-#                                             the cached K/V read into the L2 before attention (kv_prefetch_probe)
+#   bash reports/gpu_check.sh OUT_DIR walk     issue 17's lone-round walk written on the GPU (kernels/device_walk.py),
+#                                             in a prefill graph's lead, its items split over the idle programs:
+#                                             the engine's and the planned prefill's tests, the engine with it, with
+#                                             the items whole and with the host's walk in turns (host_ab;
+#                                             HOST_AB_ARMS), the TTFT phases
 #   bash reports/gpu_check.sh OUT_DIR verdicts-rest    sharpness and false alarms on the GPU
 #                                             (sharpness.md), and an illegal memory access in the
 #                                             campaign (worker replaced), in --replay and in pytest
@@ -176,13 +177,13 @@ BREAKS
     step 260 engine-ttft python3 -m reports.bench_engine --out "$out" --time-cap 240
     ;;
   walk)
-    step 220 walk-tests python3 -m pytest -q -n 8 -rf -p no:cacheprovider tests/engine \
+    step 200 walk-tests python3 -m pytest -q -n 8 -rf -p no:cacheprovider tests/engine \
       tests/kernels/test_device_walk.py tests/kernels/test_plan.py tests/kernels/test_walk.py \
       tests/kernels/test_specialization.py tests/kernels/test_hopper_prefill.py
     tail -n 3 "$out/walk-tests.log" >> "$out/summary.txt"
-    step 170 host-ab python3 -m reports.host_ab --arms "tree,host walk" --runs "${HOST_AB_RUNS:-9}"
+    step 200 host-ab python3 -m reports.host_ab --arms "${HOST_AB_ARMS:-tree,whole round,host walk}" \
+      --runs "${HOST_AB_RUNS:-7}"
     step 100 ttft-phases python3 -m reports.ttft_phases --phases
-    step 60 kv-prefetch-probe python3 -m reports.kv_prefetch_probe --out "$out/kv-prefetch-probe.json"
     ;;
   blas)
     step 150 engine-tests python3 -m pytest -q -n 8 -rf -p no:cacheprovider tests/engine

@@ -6,7 +6,10 @@ turns by every arm, on one engine. An arm is the tree with some changes undone:
                        again (a lookup that stops hashing at the first unknown digest rests on them)
     no lead            prefill graphs without their lead (`StepGraph.LEAD`): the GPU waits for the first
                        replan (graphs of their own: a second `StepGraphs`)
-    host walk          every replan's walk made on the host and copied in (kernels/device_walk.py off)
+    host walk          every replan's walk made on the host and copied in (kernels/device_walk.py off:
+                       graphs of their own, whose lead writes no walk)
+    whole round        a lone round's items whole, half the programs idle at the 2k step
+                       (hopper_prefill.SPLIT_ONE_ROUND off: graphs of their own)
     blas default       graphs whose linear layers take torch's default library at every token bucket,
                        every bucket kept (engine/blas_choice.py: graphs of their own, nothing timed)
     blas chosen        graphs whose linear layers take each bucket's faster library, and whose buckets
@@ -25,7 +28,7 @@ import statistics
 
 from engine import block_pool
 from engine.cuda_graphs import PrefillGraph, StepGraphs, linear_timer
-from kernels import device_walk
+from kernels import device_walk, hopper_prefill
 from reports.ttft_phases import HIT, PROMPTS, WARMUP, engine, timed_request
 
 
@@ -45,7 +48,8 @@ ARMS = {
     "digests forgotten": ("keys whole", "digests forgotten"),
     "no lead": ("no lead",),
     "host walk": ("host walk",),
-    "all undone": ("keys whole", "digests forgotten", "no lead", "host walk"),
+    "whole round": ("whole round",),
+    "all undone": ("keys whole", "digests forgotten", "no lead", "host walk", "whole round"),
     "blas default": ("blas default",),
     "blas chosen": ("blas chosen",),
 }
@@ -55,14 +59,16 @@ ARMS = {
 def undone(llm, undo: tuple, graphs: dict):
     """The tree with the changes named in `undo` undone, for one request (it resets the cache first)."""
     page_keys, lead, on_device = block_pool.BlockPool.page_keys, PrefillGraph.LEAD, device_walk.ENABLED
-    device_walk.ENABLED = "host walk" not in undo
+    split = hopper_prefill.SPLIT_ONE_ROUND
+    device_walk.ENABLED = on_device and "host walk" not in undo
+    hopper_prefill.SPLIT_ONE_ROUND = split and "whole round" not in undo
     if "digests forgotten" in undo:
         llm.pool.digests = Forgetful()
     if "keys whole" in undo:
         block_pool.BlockPool.page_keys = lambda pool, seq, through_first_unknown=False: page_keys(pool, seq)
     blas = next((arm for arm in ("blas default", "blas chosen") if arm in undo), None)
-    key = ("no lead" in undo, blas)
-    if key not in graphs:  # captured on first use, with or without the lead, timed or not
+    key = ("no lead" in undo, blas, "host walk" in undo, "whole round" in undo)
+    if key not in graphs:  # captured on first use under the arm's settings
         timers = {
             None: None,
             "blas default": lambda rows: {},
@@ -77,6 +83,7 @@ def undone(llm, undo: tuple, graphs: dict):
     finally:
         llm.pool.digests = {}  # consistent again at the next request's cache reset
         block_pool.BlockPool.page_keys, PrefillGraph.LEAD, device_walk.ENABLED = page_keys, lead, on_device
+        hopper_prefill.SPLIT_ONE_ROUND = split
 
 
 def main(argv=None) -> None:
@@ -86,7 +93,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     arms = args.arms.split(",")
     llm = engine()
-    graphs = {(False, None): llm.runner.graphs}
+    graphs = {(False, None, False, False): llm.runner.graphs}
     for length in PROMPTS:
         times, cached = {(arm, share): [] for arm in arms for share in (0.0, HIT)}, set()
         for run in range(args.runs):
@@ -108,9 +115,10 @@ def main(argv=None) -> None:
                 f"ratio {median / base:.4f}, cached {tokens}",
                 flush=True,
             )
-        llm.runner.graphs = graphs[False, None]
-    for (no_lead, blas), taken in graphs.items():
-        label = ", ".join(name for name in ("no lead" if no_lead else None, blas) if name) or "tree"
+        llm.runner.graphs = graphs[False, None, False, False]
+    for (no_lead, blas, host_walk, whole_round), taken in graphs.items():
+        names = ("no lead" if no_lead else None, blas, "host walk" if host_walk else None)
+        label = ", ".join(name for name in (*names, "whole round" if whole_round else None) if name) or "tree"
         print(f"{label} token buckets: {taken.token_buckets}")
         for tokens in sorted(taken.prefill):
             print(f"{label} libraries at {tokens} rows: {taken.choices.get(tokens)}")

@@ -14,6 +14,8 @@ from hypothesis import event, given
 
 from engine import LLM, SamplingParams
 from engine.cuda_graphs import PIECE_TOKEN_BUCKETS, StepGraphs, buckets, rerun_capture, segments
+from engine.model import MODEL_CONFIGS
+from kernels import hopper_prefill, paged_prefill
 from tests.budgets import examples
 from tests.engine.test_engine import TRITON_STREAMS, assert_equivalent, make_llm, run_stream
 
@@ -162,6 +164,45 @@ def test_prefill_graphs_replay_their_lead_before_any_replan():
             plan.replan = logged("replan", plan.replan)
     llm.generate([[4] * 18], SamplingParams(max_tokens=1))
     assert events[:2] == ["replay 0", "replan"], events
+
+
+# A model on the Hopper path's shapes (head_dim 128, 32 heads), small otherwise: a prompt of hundreds of
+# tokens takes more than a round of (query tile, head) items on an H100's programs, a cached one's rest one.
+HOPPER_SHAPED = dict(
+    MODEL_CONFIGS["tiny"], dim=256, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=256, sparse_block_size=64
+)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs an sm_90 GPU"
+)
+@pytest.mark.parametrize("one_round", [False, True], ids=["whole", "split-one-round"])
+def test_prefill_graphs_write_a_lone_rounds_walks_in_their_lead(monkeypatch, one_round):
+    """On the Hopper path a prefill graph's lead writes a lone round's walks on the GPU and its step
+    replans nothing (kernels/device_walk.py), with the items whole or split over the idle programs
+    (SPLIT_ONE_ROUND); a step of more items replans on the host. Both kinds of step, against an eager run
+    without caching (the cold-vs-warm rule)."""
+    monkeypatch.setitem(MODEL_CONFIGS, "hopper-shaped", HOPPER_SHAPED)
+    monkeypatch.setattr(hopper_prefill, "SPLIT_ONE_ROUND", one_round)
+    lone = []
+    lone_round = paged_prefill.PrefillPlan.lone_round
+    monkeypatch.setattr(
+        paged_prefill.PrefillPlan,
+        "lone_round",
+        lambda plan, *args: lone.append(lone_round(plan, *args)) or lone[-1],
+    )
+    options = dict(
+        backend="triton", num_pages=160, page_size=16, max_num_batched_tokens=1024, record_logits=True
+    )
+    prefix = [(7 * i) % 128 for i in range(700)]
+    prompts = [prefix + [1, 2, 3], prefix[:650] + [9] * 90, prefix[:200] + [5] * 40]
+    params = SamplingParams(max_tokens=3)
+    eager = LLM("hopper-shaped", enforce_eager=True, enable_prefix_caching=False, **options)
+    llm = LLM("hopper-shaped", **options)
+    for prompt in prompts:
+        assert_equivalent(llm.generate([prompt], params), eager.generate([prompt], params))
+    assert any(graph.lead_walks for graph in llm.runner.graphs.prefill.values())
+    assert True in lone and False in lone, lone
 
 
 def count_launched_ahead(llm: LLM) -> list[int]:

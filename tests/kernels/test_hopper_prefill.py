@@ -213,36 +213,48 @@ def test_host_descriptors_encoded_once_per_cache(hopper_path, monkeypatch):
     assert len(hopper_prefill._ENCODED) == 4
 
 
-@pytest.mark.parametrize("walk", ["device", "host", "split-one-round"])
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split-one-round"])
+@pytest.mark.parametrize("walk", ["host", "device", "graph"])
 @pytest.mark.parametrize(
     "name", ["dense-P64-batch", "dense-P8-D64-fp16-batch", "elements-S16-P32", "phi3-ctx0-q4096"]
 )
-def test_hopper_prefill_replanned_in_a_cuda_graph(hopper_path, monkeypatch, name, walk):
+def test_hopper_prefill_replanned_in_a_cuda_graph(hopper_path, monkeypatch, name, walk, split):
     """A plan made for one more sequence, each at the table's whole length, captured in a CUDA graph,
     then replanned for the case in place and replayed (`PrefillPlan.replan`), against the oracle: the
-    small batches leave programs of the planned grid without an item (stand-in units), their walk
-    written by the GPU (kernels/device_walk.py) or, with it off, by the host; or, with
-    SPLIT_ONE_ROUND, their items split over those programs in the split states that the launch holds."""
-    one_round = walk == "split-one-round"
-    monkeypatch.setattr(device_walk, "ENABLED", walk == "device")
-    if one_round:
+    small batches leave programs of the planned grid without an item, which take stand-in units, or,
+    with SPLIT_ONE_ROUND, parts of the items, in the split states that the launch holds. Their walks
+    are made by the host (kernels/device_walk.py off), by the GPU at the replan, or by the GPU inside
+    the graph (`walk_launch`, as an engine's prefill graph holds it in its lead), with no replan."""
+    monkeypatch.setattr(device_walk, "ENABLED", walk != "host")
+    if split:
         monkeypatch.setattr(hopper_prefill, "SPLIT_ONE_ROUND", True)
         monkeypatch.setattr(hopper_prefill, "MIN_SPLIT_TILES", 1)
         monkeypatch.setattr(hopper_prefill, "SPLIT_COST", 0.0)
     case, plans = CASES[name], []
     inputs = build_inputs(case, "cuda")
-    impl = test_plan.prefill_replanned(registry.load("triton"), plans)
+    impl = test_plan.prefill_replanned(registry.load("triton"), plans, walk_in_graph=walk == "graph")
     verdict = judge_attention(
         impl, case, decode=False, device="cuda", inputs=inputs, truth=oracle(inputs), check_without_lse=True
     )
     assert verdict.status == "passed", verdict.message
     assert plans and all(plan.fixed_launch for plan in plans), "the plan did not take the Hopper path"
-    if name != "phi3-ctx0-q4096" and one_round:
-        assert any(plan.walk.num_slots > 0 for plan in plans), "no replanned walk split an item"
-    elif name != "phi3-ctx0-q4096" and walk == "device":
+    if name == "phi3-ctx0-q4096":  # more than a round of items
+        return
+    lens, starts = inputs["seq_lens"].tolist(), inputs["query_start_loc"].tolist()
+    tiles = paged_prefill._query_tiles(lens, starts, hopper_prefill.BLOCK_M)
+    walks = [
+        hopper_prefill.settled_walk(
+            plan.lists.counts, tiles, plan.grid[1], plan.programs, (plan.split_slots, 10**6)
+        )
+        for plan in plans
+    ]
+    assert any((w.num_slots > 0) == split and (split or (w.units[:, 0] < 0).any()) for w in walks), (
+        "no walk of the batch splits an item" if split else "no walk of the batch has a stand-in unit"
+    )
+    if walk == "host":
+        assert all(plan.walk is not None for plan in plans)
+    else:
         assert any(plan.walk is None for plan in plans), "no replanned walk written on the device"
-    elif name != "phi3-ctx0-q4096":
-        assert any((plan.walk.units[:, 0] < 0).any() for plan in plans), "no stand-in unit"
 
 
 def _plan(inputs):

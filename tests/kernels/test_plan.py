@@ -255,12 +255,14 @@ def test_decode_plan_bounds_cover_an_earlier_longer_row(impl, device, expect):
     expect(verdict, single=True)
 
 
-def prefill_replanned(impl, plans: list | None = None):
+def prefill_replanned(impl, plans: list | None = None, walk_in_graph: bool = False):
     """`impl` whose paged_prefill plans as the engine's prefill graphs do (engine/cuda_graphs.py): over
     one sequence more than the call's (never read after), each at the block table's whole width over
     page 0; then writes the call's metadata into the planned tensors, replans and runs, the run captured
-    in a CUDA graph before the rewrite when the plan keeps its launch (`fixed_launch`). Each plan is
-    appended to `plans`."""
+    in a CUDA graph before the rewrite when the plan keeps its launch (`fixed_launch`). With
+    `walk_in_graph`, the graph also holds the plan's `walk_launch` (where it has one), before the run,
+    and a lone round (`lone_round`) is not replanned: the graph writes its walk. Each plan is appended to
+    `plans`."""
     plan_prefill = impl.planners["plan_prefill"]
 
     def paged_prefill(
@@ -290,14 +292,24 @@ def prefill_replanned(impl, plans: list | None = None):
         plan = plan_prefill(q, k_cache, v_cache, table, lens, starts, **options)
         if plans is not None:
             plans.append(plan)
-        replay = None
+        replay = walk = None
         if q.is_cuda and plan.fixed_launch:
-            plan.run(q, k_cache, v_cache)  # compiles, outside the capture
-            replay, captured = cuda_capture(lambda: plan.run(q, k_cache, v_cache), None, {})
+            walk = plan.walk_launch() if walk_in_graph else None
+
+            def step():
+                if walk is not None:
+                    walk()
+                return plan.run(q, k_cache, v_cache)
+
+            step()  # compiles, outside the capture
+            replay, captured = cuda_capture(step, None, {})
         table[:seqs].copy_(block_tables)
         lens[:seqs].copy_(seq_lens)
         starts[: seqs + 1].copy_(query_start_loc)
-        plan.replan(seq_lens.tolist(), query_start_loc.tolist())
+        if walk is not None and plan.lone_round(seq_lens.tolist(), query_start_loc.tolist()):
+            plan.walk = None  # as `replan` leaves it: no host walk describes the buffer
+        else:
+            plan.replan(seq_lens.tolist(), query_start_loc.tolist())
         if replay is None:
             return plan.run(q, k_cache, v_cache)
         replay()

@@ -5,6 +5,8 @@ evens the programs' ends; the cheapest items walked last end the busiest program
 schedule, so the kernel's outputs do not depend on it: the GPU tests of
 tests/kernels/test_hopper_prefill.py judge those against the oracle, on walks with split items."""
 
+from fractions import Fraction
+
 import numpy as np
 import pytest
 import torch
@@ -310,34 +312,30 @@ def test_settled_walk_splits_only_a_lone_round_that_leaves_programs_idle(
     check_cover(walk, item_lists(counts, query_tiles, heads))
 
 
-def one_round_parts(cost: np.ndarray, programs: int) -> list[int] | None:
-    """`split_one_round`'s parts an item, taken one program at a time (the oracle's plain loop): the
-    busiest item (its share: cost / parts + SPLIT_COST, or its cost whole; ties to the first) takes one
-    more while a program is idle, while its parts' shares span MIN_SPLIT_TILES tiles and one more
-    lowers its share by more than a tile's rounding (PARTIAL_COST); None where an item whole or a
-    part, its rounding included, would end no sooner than the costliest item whole."""
-    min_tiles, split_cost = hopper_prefill.MIN_SPLIT_TILES, hopper_prefill.SPLIT_COST
-    parts = [1] * cost.shape[0]
-    share = lambda w: cost[w] / parts[w] + (split_cost if parts[w] > 1 else 0.0)  # noqa: E731
-    for _ in range(programs - cost.shape[0]):
-        w = max(range(cost.shape[0]), key=lambda w: (share(w), -w))
-        k, c = parts[w] + 1, cost[w]
-        if c // (PARTIAL_COST * (min_tiles + 1)) < k or c / k + split_cost + PARTIAL_COST >= share(w):
-            break
-        parts[w] = k
-    ends = [cost[w] if parts[w] == 1 else share(w) + PARTIAL_COST for w in range(cost.shape[0])]
-    return parts if cost.shape[0] and max(ends) < cost.max() else None
+def one_round_parts(lists: np.ndarray, programs: int) -> int | None:
+    """`split_one_round`'s parts an item (the same for every item), its rule read plainly in tenths of a
+    full tile: as many as the programs allow, fewer while an item's share would be worth less than
+    MIN_SPLIT_TILES + 1 partial tiles; None below two, or where a part of the costliest item (its share,
+    SPLIT_COST and a partial tile for its ends' rounding) ends no sooner than that item whole."""
+    min_tiles, split_cost = hopper_prefill.MIN_SPLIT_TILES, round(10 * hopper_prefill.SPLIT_COST)
+    partial = round(10 * PARTIAL_COST)
+    cost = [10 * f + partial * p for f, p in lists.tolist()]
+    k = programs // len(cost)
+    while k >= 2 and any(c < k * partial * (min_tiles + 1) for c in cost):
+        k -= 1
+    if k < 2 or Fraction(max(cost), k) + split_cost + partial >= max(cost):
+        return None
+    return k
 
 
 @examples(8)
 @given(problems(), st.integers(1, 60), SPLIT_MODELS)
-def test_split_one_round_gives_idle_programs_parts_of_the_busiest_items(
-    monkeypatch, problem, extra, split_model
-):
-    """`split_one_round`: each item's parts as the oracle's plain loop takes them (`one_round_parts`),
-    and None where it gives none; every tile of every item once, a unit a program (the items' parts,
-    then stand-ins), parts of at least MIN_SPLIT_TILES tiles, each costing at most its item's share and
-    a tile's rounding, so that the busiest program ends sooner than the costliest item whole."""
+def test_split_one_round_gives_idle_programs_parts_of_every_item(monkeypatch, problem, extra, split_model):
+    """`split_one_round`: every item in as many parts as the oracle's plain reading of its rule gives
+    (`one_round_parts`), and None where it gives none; every tile of every item once, a unit a program
+    (the items' parts, then stand-ins), parts of at least MIN_SPLIT_TILES tiles, each costing at most
+    its item's share and a tile's rounding, so that the busiest program ends sooner than the costliest
+    item whole."""
     monkeypatch.setattr(hopper_prefill, "MIN_SPLIT_TILES", split_model[0])
     monkeypatch.setattr(hopper_prefill, "SPLIT_COST", split_model[1])
     counts, query_tiles, heads, _ = problem
@@ -345,15 +343,15 @@ def test_split_one_round_gives_idle_programs_parts_of_the_busiest_items(
     programs = lists.shape[0] + extra  # more programs than items
     cost = lists[:, 0] + PARTIAL_COST * lists[:, 1]
     walk = hopper_prefill.split_one_round(counts, query_tiles, heads, programs)
-    parts = one_round_parts(cost, programs)
+    parts = one_round_parts(lists, programs)
     assert (walk is None) == (parts is None)
     if walk is None:
         return
     check_cover(walk, lists)
-    assert (walk.offsets == np.arange(programs + 1)).all() and walk.num_slots <= programs
+    assert (walk.offsets == np.arange(programs + 1)).all() and walk.num_slots == parts * lists.shape[0]
     real = walk.units[:, 0] >= 0
     assert real[: real.sum()].all() and (walk.units[~real] == hopper_prefill.STAND_IN).all()
-    assert [walk.units[walk.units[:, 0] == w, 5][0] for w in range(lists.shape[0])] == parts
+    assert (walk.units[real, 5] == parts).all()
     ends = []
     for unit in walk.units[real]:
         w, k = unit[0], unit[5]
