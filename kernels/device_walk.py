@@ -72,6 +72,14 @@ def _item_fields(w, num_seqs, num_tiles, num_heads, seq_lens, query_start_loc, B
 
 
 @triton.jit
+def _cut(x, full, PARTIAL_TENTHS: tl.constexpr):
+    """The tile at cost x (tenths of a full tile) of items with `full` full tiles, then partial ones:
+    the nearest, half up."""
+    partial_tile = full + (2 * (x - 10 * full) + PARTIAL_TENTHS) // (2 * PARTIAL_TENTHS)
+    return tl.where(x <= 10 * full, (x + 5) // 10, partial_tile)
+
+
+@triton.jit
 def lone_round_walk_kernel(
     tiles,
     seq_lens,
@@ -96,9 +104,9 @@ def lone_round_walk_kernel(
     """One program, over the plan's `num_seqs` metadata rows (rows past a batch's own have no queries).
     Where the batch's items fit a round, writes into `tiles` the (sequence, absolute query tile) of each
     query tile at its front, the walk from `walk_start`: the offsets 0 .. programs, then a row of
-    ROW_FIELDS a program (`hopper_prefill.Walk.flat`). Unsplit, program p < items takes item p whole;
-    with SPLIT (`hopper_prefill.split_one_round`, where its cost model splits and `split_slots` states
-    hold the parts), program p < items * k takes part p % k of item p // k; the others a stand-in.
+    ROW_FIELDS a program (`hopper_prefill.Walk.flat`). Item w takes programs from the sum of the parts
+    of the items before it: one, whole; or with SPLIT, as many as `hopper_prefill.split_one_round` cuts
+    it into, where it splits and `split_slots` states hold the parts. The programs left take stand-ins.
     BLOCK: a power of two > programs."""
     num_tiles = 0
     for b in range(num_seqs):
@@ -115,66 +123,70 @@ def lone_round_walk_kernel(
         pairs = p < num_tiles
         tl.store(tiles + 2 * p, seq, mask=pairs)
         tl.store(tiles + 2 * p + 1, tile, mask=pairs)
-        parts = num_items * 0 + 1
+        # Lane j: item j, its cost in tenths of a full tile and its parts.
+        item = p < num_items
+        item_seq, item_abs, head = _item_fields(
+            tl.where(item, p, -1), num_seqs, num_tiles, num_heads, seq_lens, query_start_loc, BLOCK_M
+        )
+        lists = tile_lists + item_abs * stride_list_tile + head * stride_list_head
+        full = tl.load(lists, mask=item, other=0)
+        partial = tl.load(lists + stride_list_kind, mask=item, other=0)
+        cost = 10 * full + PARTIAL_TENTHS * partial
+        parts = item.to(tl.int32)
         if SPLIT:
-            item = p < num_items
-            item_seq, item_abs, head = _item_fields(
-                tl.where(item, p, -1), num_seqs, num_tiles, num_heads, seq_lens, query_start_loc, BLOCK_M
-            )
-            lists = tile_lists + item_abs * stride_list_tile + head * stride_list_head
-            cost = 10 * tl.load(lists, mask=item, other=0)
-            cost += PARTIAL_TENTHS * tl.load(lists + stride_list_kind, mask=item, other=0)
-            most = tl.min(tl.where(item, cost // (PARTIAL_TENTHS * (MIN_SPLIT_TILES + 1)), programs), 0)
-            split = tl.minimum(programs // num_items, most)
-            # A part of the costliest item (its share, SPLIT_COST and a partial tile) ends sooner than it
-            # whole, and the launch holds the parts' states.
-            sooner = tl.max(cost, 0) * (split - 1) > split * (SPLIT_TENTHS + PARTIAL_TENTHS)
-            parts = tl.where((split >= 2) & sooner & (num_items * split <= split_slots), split, 1)
+            costliest = tl.max(cost, 0)
+            top = tl.maximum(costliest, 1)
+            most = cost // (PARTIAL_TENTHS * (MIN_SPLIT_TILES + 1))
+            # The most parts u of the costliest item whose items' parts the programs hold (the sum grows
+            # with u): a bisection, 16 steps for up to 65535 programs.
+            lo = programs * 0 + 1
+            hi = programs * 0 + programs
+            for _ in tl.static_range(16):
+                mid = (lo + hi + 1) // 2
+                held = tl.maximum(tl.minimum((mid * cost + top - 1) // top, most), 1)
+                fits = tl.sum(tl.where(item, held, 0), 0) <= programs
+                lo = tl.where(fits, mid, lo)
+                hi = tl.where(fits, hi, mid - 1)
+            split = tl.where(item, tl.maximum(tl.minimum((lo * cost + top - 1) // top, most), 1), 0)
+            shares = cost + split * (SPLIT_TENTHS + PARTIAL_TENTHS) - split * costliest
+            late = item & (tl.where(split > 1, shares, cost - costliest) >= 0)
+            sooner = (costliest > 0) & (tl.max(late.to(tl.int32), 0) == 0)
+            held = tl.sum(tl.where(split > 1, split, 0), 0)  # the states of the split items' parts
+            parts = tl.where(sooner & (held <= split_slots), split, parts)
+        starts = tl.cumsum(parts, 0) - parts
+        split_parts = tl.where(parts > 1, parts, 0)  # the split items' parts take the slots, in order
+        slots = tl.cumsum(split_parts, 0) - split_parts
         walk = tiles + walk_start
         tl.store(walk + p, p, mask=p <= programs)
         # Each program's row: its item's (sequence, tile, head, full tiles, begin, end, slot, first slot,
-        # parts, first query, context, length); a stand-in's zeros but for its whole-item fields.
-        unit = p < num_items * parts
-        w = tl.where(unit, p // parts, -1)
-        i = p % parts
-        item_seq, item_abs, head = _item_fields(
-            w, num_seqs, num_tiles, num_heads, seq_lens, query_start_loc, BLOCK_M
-        )
-        lists = tile_lists + item_abs * stride_list_tile + head * stride_list_head
-        full = tl.load(lists, mask=unit, other=0)
-        partial = tl.load(lists + stride_list_kind, mask=unit, other=0)
-        cost = 10 * full + PARTIAL_TENTHS * partial
-        # Where the cut at cost x (tenths) falls: the nearest tile, half up, full tiles first.
-        x = cost * i // parts
-        begin = tl.where(
-            x <= 10 * full,
-            (x + 5) // 10,
-            full + (2 * (x - 10 * full) + PARTIAL_TENTHS) // (2 * PARTIAL_TENTHS),
-        )
-        x = cost * (i + 1) // parts
-        end = tl.where(
-            x <= 10 * full,
-            (x + 5) // 10,
-            full + (2 * (x - 10 * full) + PARTIAL_TENTHS) // (2 * PARTIAL_TENTHS),
-        )
-        split_unit = unit & (parts > 1)
-        seq_len = tl.load(seq_lens + item_seq, mask=unit, other=0)
-        start = tl.load(query_start_loc + item_seq, mask=unit, other=0)
-        stop = tl.load(query_start_loc + item_seq + 1, mask=unit, other=0)
-        row = walk + programs + 1 + p * ROW_FIELDS
-        rows = p < programs
-        tl.store(row, item_seq, mask=rows)
-        tl.store(row + 1, item_abs, mask=rows)
-        tl.store(row + 2, head, mask=rows)
-        tl.store(row + 3, full, mask=rows)
-        tl.store(row + 4, tl.where(unit, begin, 0), mask=rows)
-        tl.store(row + 5, tl.where(unit, end, 0), mask=rows)
-        tl.store(row + 6, tl.where(split_unit, p, -1), mask=rows)
-        tl.store(row + 7, tl.where(split_unit, p - i, 0), mask=rows)
-        tl.store(row + 8, tl.where(unit, parts, 1), mask=rows)
-        tl.store(row + 9, start, mask=rows)
-        tl.store(row + 10, seq_len - (stop - start), mask=rows)
-        tl.store(row + 11, seq_len, mask=rows)
+        # parts, first query, context, length), part by part of every item at once; then the stand-ins'.
+        rows = walk + programs + 1
+        seq_len = tl.load(seq_lens + item_seq, mask=item, other=0)
+        start = tl.load(query_start_loc + item_seq, mask=item, other=0)
+        stop = tl.load(query_start_loc + item_seq + 1, mask=item, other=0)
+        divisor = tl.maximum(parts, 1)
+        for i in range(tl.max(parts, 0)):
+            row = rows + (starts + i) * ROW_FIELDS
+            mine = i < parts
+            split_part = mine & (parts > 1)
+            tl.store(row, item_seq, mask=mine)
+            tl.store(row + 1, item_abs, mask=mine)
+            tl.store(row + 2, head, mask=mine)
+            tl.store(row + 3, full, mask=mine)
+            tl.store(row + 4, _cut(cost * i // divisor, full, PARTIAL_TENTHS), mask=mine)
+            tl.store(row + 5, _cut(cost * (i + 1) // divisor, full, PARTIAL_TENTHS), mask=mine)
+            tl.store(row + 6, tl.where(split_part, slots + i, -1), mask=mine)
+            tl.store(row + 7, tl.where(split_part, slots, 0), mask=mine)
+            tl.store(row + 8, parts, mask=mine)
+            tl.store(row + 9, start, mask=mine)
+            tl.store(row + 10, seq_len - (stop - start), mask=mine)
+            tl.store(row + 11, seq_len, mask=mine)
+        stand_in = (p >= tl.sum(parts, 0)) & (p < programs)
+        row = rows + p * ROW_FIELDS
+        for field in tl.static_range(ROW_FIELDS):  # (-1, 0, 0, -1, 0, 1) as a unit: slot -1, 1 part
+            tl.store(row + field, 0 * p, mask=stand_in)
+        tl.store(row + 6, 0 * p - 1, mask=stand_in)
+        tl.store(row + 8, 0 * p + 1, mask=stand_in)
 
 
 def bind(

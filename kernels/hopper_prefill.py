@@ -299,35 +299,61 @@ def split_slots(num_tokens: int, num_heads: int, programs: int) -> int:
 
 
 def split_one_round(counts: torch.Tensor, query_tiles: list, num_heads: int, programs: int) -> Walk | None:
-    """A walk of fewer items than programs, every item split into k parts, a part a program, stand-ins
-    for the programs left: k = programs // items, but no more than leaves each part a share of at least
-    MIN_SPLIT_TILES + 1 partial tiles' cost. An item's parts cut its tiles (full, then partial) at equal
-    shares of its cost, each cut at the nearest tile (half up). None where k < 2, or where a part of the
-    costliest item (its share, SPLIT_COST and a tile's rounding) would end no sooner than that item
-    whole, by the cost model. Costs are integer tenths of a full tile (`cost_tenths`), so that
-    kernels/device_walk.py writes the same walk on the GPU. counts, query_tiles: `plan_walk`'s. Every
-    part runs at once, so the order of the items' parts over the programs does not matter."""
+    """A walk of fewer items than programs, items split over the programs left: with the costliest
+    item in u parts, every item in as many as bring its parts' shares down to the costliest's
+    (ceil(u * cost / costliest)), but none in more than leave each a share of MIN_SPLIT_TILES + 1
+    partial tiles' cost; u the most whose parts the programs hold. An item's parts cut its tiles (full,
+    then partial) at equal shares of its cost, each cut at the nearest tile (half up), and take
+    consecutive programs, the items in their order; the programs left take stand-ins. The split items'
+    parts take consecutive state slots, in the same order. None where an item ends no sooner than the
+    costliest item whole, by the cost model (a part: its share, SPLIT_COST and a tile's rounding).
+    Costs are integer tenths of a full tile (`cost_tenths`), so that kernels/device_walk.py writes the
+    same walk on the GPU. counts, query_tiles: `plan_walk`'s. Every part runs at once: where a part
+    runs does not matter."""
     full, partial = _item_tiles(counts, query_tiles, num_heads)
     num_items = full.shape[0]
     partial_cost, split_cost = cost_tenths(PARTIAL_COST), cost_tenths(SPLIT_COST)
     cost = 10 * full + partial_cost * partial
-    if not num_items:
+    costliest = cost.max(initial=0)
+    if not costliest:
         return None
-    k = min(programs // num_items, int((cost // (partial_cost * (MIN_SPLIT_TILES + 1))).min()))
-    if k < 2 or cost.max() * (k - 1) <= k * (split_cost + partial_cost):
+    most = cost // (partial_cost * (MIN_SPLIT_TILES + 1))
+    u = np.arange(1, programs + 1)[:, None]  # each number of parts of the costliest item, a row
+    parts = np.maximum(
+        np.minimum((u * cost + costliest - 1) // costliest, most), 1
+    )  # an item without tiles too
+    k = parts[np.nonzero(parts.sum(1) <= programs)[0][-1]]
+    # An item ends no sooner than the costliest whole: its part's share, SPLIT_COST and a partial tile's
+    # rounding at least that cost, or it is whole and that costly.
+    late = np.where(k > 1, cost + k * (split_cost + partial_cost) - k * costliest, cost - costliest) >= 0
+    if late.any():
         return None
-    p = np.arange(num_items * k)
-    w, i = p // k, p % k
-    f, c = full[w], cost[w]
+    starts = np.cumsum(k) - k
+    split_parts = np.where(k > 1, k, 0)  # the split items' parts take the slots, in order
+    slots = np.cumsum(split_parts) - split_parts
+    w = np.repeat(np.arange(num_items), k)
+    p = np.arange(w.shape[0])
+    i, kw, f, c, first = p - starts[w], k[w], full[w], cost[w], slots[w]
 
     def cut(x):  # the tile at cost x (tenths) of an item: in its full tiles, then in its partial ones
         return np.where(
             x <= 10 * f, (x + 5) // 10, f + (2 * (x - 10 * f) + partial_cost) // (2 * partial_cost)
         )
 
+    split = kw > 1
     units = np.full((programs, UNIT_FIELDS), STAND_IN, dtype=np.int64)
-    units[: p.shape[0]] = np.stack([w, cut(c * i // k), cut(c * (i + 1) // k), p, w * k, 0 * p + k], 1)
-    return Walk(np.arange(programs + 1), units, p.shape[0])
+    units[: p.shape[0]] = np.stack(
+        [
+            w,
+            cut(c * i // kw),
+            cut(c * (i + 1) // kw),
+            np.where(split, first + i, -1),
+            np.where(split, first, 0),
+            kw,
+        ],
+        1,
+    )
+    return Walk(np.arange(programs + 1), units, int(split_parts.sum()))
 
 
 def cost_tenths(cost: float) -> int:

@@ -118,9 +118,11 @@ def test_lone_round_walk_splits_where_the_cost_model_ends_sooner(device, monkeyp
     assert np.array_equal(buffer[2 * max_tiles : 2 * max_tiles + expected.shape[0]].numpy(), expected)
 
 
-def test_lone_round_walk_splits_the_engines_2k_step(device, monkeypatch):
+@pytest.mark.parametrize("split_slots", [127, 128])
+def test_lone_round_walk_splits_the_engines_2k_step(device, monkeypatch, split_slots):
     """The engine's step over a cached 2k prompt (208 queries of the 32-layer model's Phi-3 layout, 64 items
-    on 132 programs) with SPLIT_ONE_ROUND: every item in two parts, as on the host."""
+    on 132 programs) with SPLIT_ONE_ROUND: every item in two parts where the launch holds their 128
+    states, else whole, as on the host."""
     import reference
     from kernels import tile_lists
 
@@ -128,12 +130,14 @@ def test_lone_round_walk_splits_the_engines_2k_step(device, monkeypatch):
     monkeypatch.setattr(hopper_prefill, "SPLIT_LAST", False)
     layout = reference.LocalStridedLayout(64, 16, 8)
     lists = tile_lists.tile_lists(layout, 32, 2048, BLOCK_M, hopper_prefill.BLOCK_N, 1, "cpu", halves=True)
-    batch = [2048, 0], [0, 208, 208], 1, 32, 132, lists.counts
-    buffer, max_tiles = device_buffer(batch, 132, device)
-    rows = buffer[2 * max_tiles + 133 :].view(132, hopper_prefill.ROW_FIELDS)
-    assert (rows[:128, 8] == 2).all() and (rows[128:, 6] == -1).all()
-    walk = hopper_prefill.settled_walk(lists.counts, [(0, 14), (0, 15)], 32, 132, fits=(132, 132))
-    assert walk.num_slots == 128
+    buffer, max_tiles = device_buffer(
+        ([2048, 0], [0, 208, 208], 1, 32, 132, lists.counts), split_slots, device
+    )
+    tiles = [(0, 14), (0, 15)]
+    walk = hopper_prefill.settled_walk(lists.counts, tiles, 32, 132, fits=(split_slots, 132))
+    assert walk.num_slots == (128 if split_slots == 128 else 0)
+    expected = walk.flat(lists.counts, tiles, [2048, 0], [0, 208, 208])
+    assert np.array_equal(buffer[2 * max_tiles : 2 * max_tiles + expected.shape[0]].numpy(), expected)
 
 
 def test_lone_round_at_most_a_round(monkeypatch):

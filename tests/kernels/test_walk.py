@@ -5,6 +5,7 @@ evens the programs' ends; the cheapest items walked last end the busiest program
 schedule, so the kernel's outputs do not depend on it: the GPU tests of
 tests/kernels/test_hopper_prefill.py judge those against the oracle, on walks with split items."""
 
+import math
 from fractions import Fraction
 
 import numpy as np
@@ -312,30 +313,37 @@ def test_settled_walk_splits_only_a_lone_round_that_leaves_programs_idle(
     check_cover(walk, item_lists(counts, query_tiles, heads))
 
 
-def one_round_parts(lists: np.ndarray, programs: int) -> int | None:
-    """`split_one_round`'s parts an item (the same for every item), its rule read plainly in tenths of a
-    full tile: as many as the programs allow, fewer while an item's share would be worth less than
-    MIN_SPLIT_TILES + 1 partial tiles; None below two, or where a part of the costliest item (its share,
-    SPLIT_COST and a partial tile for its ends' rounding) ends no sooner than that item whole."""
+def one_round_parts(lists: np.ndarray, programs: int) -> list[int] | None:
+    """`split_one_round`'s parts an item, its rule read plainly in tenths of a full tile: for u = 1,
+    2, ... parts of the costliest item, each item in ceil(u * cost / costliest) parts, at most so many
+    that each is worth MIN_SPLIT_TILES + 1 partial tiles and at least one; the last u whose parts the
+    programs hold. None where an item ends no sooner than the costliest whole (a part: its share,
+    SPLIT_COST and a partial tile for its ends' rounding)."""
     min_tiles, split_cost = hopper_prefill.MIN_SPLIT_TILES, round(10 * hopper_prefill.SPLIT_COST)
     partial = round(10 * PARTIAL_COST)
     cost = [10 * f + partial * p for f, p in lists.tolist()]
-    k = programs // len(cost)
-    while k >= 2 and any(c < k * partial * (min_tiles + 1) for c in cost):
-        k -= 1
-    if k < 2 or Fraction(max(cost), k) + split_cost + partial >= max(cost):
+    costliest = max(cost, default=0)
+    if not costliest:
         return None
-    return k
+    parts = None
+    for u in range(1, programs + 1):
+        ks = [
+            max(1, min(math.ceil(Fraction(u * c, costliest)), c // (partial * (min_tiles + 1)))) for c in cost
+        ]
+        if sum(ks) <= programs:
+            parts = ks
+    ends = [Fraction(c, k) + split_cost + partial if k > 1 else c for c, k in zip(cost, parts, strict=True)]
+    return None if max(ends) >= costliest else parts
 
 
 @examples(8)
 @given(problems(), st.integers(1, 60), SPLIT_MODELS)
 def test_split_one_round_gives_idle_programs_parts_of_every_item(monkeypatch, problem, extra, split_model):
-    """`split_one_round`: every item in as many parts as the oracle's plain reading of its rule gives
+    """`split_one_round`: each item in as many parts as the oracle's plain reading of its rule gives
     (`one_round_parts`), and None where it gives none; every tile of every item once, a unit a program
-    (the items' parts, then stand-ins), parts of at least MIN_SPLIT_TILES tiles, each costing at most
-    its item's share and a tile's rounding, so that the busiest program ends sooner than the costliest
-    item whole."""
+    (the items' parts in order, then stand-ins), parts of at least MIN_SPLIT_TILES tiles, each costing
+    at most its item's share and a tile's rounding, so that the busiest program ends sooner than the
+    costliest item whole."""
     monkeypatch.setattr(hopper_prefill, "MIN_SPLIT_TILES", split_model[0])
     monkeypatch.setattr(hopper_prefill, "SPLIT_COST", split_model[1])
     counts, query_tiles, heads, _ = problem
@@ -348,10 +356,13 @@ def test_split_one_round_gives_idle_programs_parts_of_every_item(monkeypatch, pr
     if walk is None:
         return
     check_cover(walk, lists)
-    assert (walk.offsets == np.arange(programs + 1)).all() and walk.num_slots == parts * lists.shape[0]
+    assert (walk.offsets == np.arange(programs + 1)).all() and walk.num_slots == sum(
+        k for k in parts if k > 1
+    )
     real = walk.units[:, 0] >= 0
     assert real[: real.sum()].all() and (walk.units[~real] == hopper_prefill.STAND_IN).all()
-    assert (walk.units[real, 5] == parts).all()
+    assert (walk.units[real, 0] == np.repeat(np.arange(len(parts)), parts)).all()  # in item order
+    assert (walk.units[real, 5] == np.repeat(parts, parts)).all()
     ends = []
     for unit in walk.units[real]:
         w, k = unit[0], unit[5]
