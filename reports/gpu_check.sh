@@ -177,13 +177,14 @@ BREAKS
     step 260 engine-ttft python3 -m reports.bench_engine --out "$out" --time-cap 240
     ;;
   walk)
-    step 200 walk-tests python3 -m pytest -q -n 8 -rf -p no:cacheprovider tests/engine \
-      tests/kernels/test_device_walk.py tests/kernels/test_plan.py tests/kernels/test_walk.py \
-      tests/kernels/test_specialization.py tests/kernels/test_hopper_prefill.py
+    step "${WALK_TESTS_CAP:-240}" walk-tests python3 -m pytest -q -n 8 -rf -p no:cacheprovider \
+      ${WALK_TESTS:-tests/engine tests/kernels/test_specialization.py} tests/kernels/test_device_walk.py \
+      tests/kernels/test_plan.py tests/kernels/test_walk.py tests/kernels/test_hopper_prefill.py
     tail -n 3 "$out/walk-tests.log" >> "$out/summary.txt"
     step 200 host-ab python3 -m reports.host_ab --arms "${HOST_AB_ARMS:-tree,whole round,host walk}" \
       --runs "${HOST_AB_RUNS:-7}"
     step 100 ttft-phases python3 -m reports.ttft_phases --phases
+    [ -n "${WALK_TTFT:-}" ] && step 300 engine-ttft python3 -m reports.bench_engine --out "$out/ttft"
     ;;
   blas)
     step 150 engine-tests python3 -m pytest -q -n 8 -rf -p no:cacheprovider tests/engine
