@@ -19,6 +19,8 @@ H200's host, several times its kernels' time at small batches (reports/gpu/engin
   replanned for every step (`replan` of the `graphs` capability: their walks rewritten in place,
   their launches kept), where a plan can (`fixed_launch`: the Hopper path), while the GPU runs the
   step's lead (the embedding and layer 0's attention inputs, which read no plan: `StepGraph.LEAD`).
+  A step whose items fit one round of the Hopper kernel's programs replans nothing: the lead itself
+  writes its walks on the GPU (`PrefillPlan.walk_launch`, kernels/device_walk.py).
 - Any other step of at most PIECE_TOKEN_BUCKETS[-1] tokens (one-token rows beside longer ones, or plans
   that cannot replan in place) replays `PieceGraphs` of its token bucket: the layers between attention
   calls, with attention run eagerly in between.
@@ -324,8 +326,9 @@ class PrefillGraph(StepGraph):
     two tokens (one-token rows take `paged_decode`): the prefill plans, made at capture over `seqs`
     sequences, one of the cache's whole capacity, are replanned every step (`PrefillPlan.replan`), each
     just before the first layer segment that uses it, after the lead (`StepGraph.LEAD`), and keep their
-    launches. Only for plans that say so (`fixed_launch`), or under `rerun_capture`, which runs them
-    again; `supported` is False otherwise."""
+    launches; where every plan has a `walk_launch`, the lead runs those first, and a step of a lone
+    round (`PrefillPlan.lone_round`) replans nothing. Only for plans that say so (`fixed_launch`), or
+    under `rerun_capture`, which runs them again; `supported` is False otherwise."""
 
     LEAD = True
 
