@@ -51,7 +51,7 @@ def lone_round(num_tiles: int, num_heads: int, programs: int) -> bool:
 
 
 @triton.jit
-def _item_fields(w, num_seqs, num_tiles, num_heads, seq_lens, query_start_loc, BLOCK_M: tl.constexpr):
+def _item_fields(w, num_seqs, num_tiles, seq_lens, query_start_loc, BLOCK_M: tl.constexpr):
     """(sequence, absolute query tile, head) of items w (`hopper_prefill._item_tiles`' head-major
     numbering: head w // num_tiles, the batch's query tile num_tiles - 1 - w % num_tiles); 0s where w
     is negative."""
@@ -119,14 +119,14 @@ def lone_round_walk_kernel(
         # The query tiles in the batch's forward order: tile k's fields are item k's of head 0, by the
         # walk's numbering (the last tile first).
         k = tl.where(p < num_tiles, num_tiles - 1 - p, -1)
-        seq, tile, _ = _item_fields(k, num_seqs, num_tiles, num_heads, seq_lens, query_start_loc, BLOCK_M)
+        seq, tile, _ = _item_fields(k, num_seqs, num_tiles, seq_lens, query_start_loc, BLOCK_M)
         pairs = p < num_tiles
         tl.store(tiles + 2 * p, seq, mask=pairs)
         tl.store(tiles + 2 * p + 1, tile, mask=pairs)
         # Lane j: item j, its cost in tenths of a full tile and its parts.
         item = p < num_items
         item_seq, item_abs, head = _item_fields(
-            tl.where(item, p, -1), num_seqs, num_tiles, num_heads, seq_lens, query_start_loc, BLOCK_M
+            tl.where(item, p, -1), num_seqs, num_tiles, seq_lens, query_start_loc, BLOCK_M
         )
         lists = tile_lists + item_abs * stride_list_tile + head * stride_list_head
         full = tl.load(lists, mask=item, other=0)
