@@ -181,6 +181,7 @@ class StepGraph:
     # With LEAD, a graph of its own comes first: the embedding and the first layer's attention inputs,
     # which need no attention plan, so the GPU runs them while the host replans (`PrefillGraph`).
     LEAD = False
+    lead_walks = False  # whether the lead writes the plans' walks of a lone round (`_walk_launches`)
 
     def _capture(self, runner, meta, inputs: StaticInputs, logits_rows: torch.Tensor, capture, pool) -> bool:
         """Plans and compiles in an eager run, then captures unless the plans cannot be replayed
