@@ -97,9 +97,10 @@ MIN_SPLIT_TILES, SPLIT_COST = 4, 4.0
 # of a 2k prompt are 64 items on 132 programs, 42 µs a layer on the H200) splits its items over
 # them, a part a program, where the cost model ends it sooner (SPLIT_ONE_ROUND, `split_one_round`).
 # A launch that a plan of at most about a round's tokens makes (`split_slots`) holds the states of
-# such a walk, so that its replans (an engine's prefill graphs) split too. On an H100 the engine's 2k
-# step spent 0.18 ms less in its kernels (kernel-ab.md §27); its walk was the host's then, 0.5 ms more
-# there, and is the GPU's now (kernels/device_walk.py).
+# such a walk, so that its replans (an engine's prefill graphs) split too. Its walk was the host's until
+# the thirty-third session (0.5 ms more host time a step on an H100 than its kernels saved, kernel-ab.md
+# §27) and is the GPU's now (kernels/device_walk.py): on the H200 the 2k step with 90% cached took 5.89
+# ms against 6.30 with the items whole (reports/gpu/ttft-h200-split.txt).
 SPLIT_ONE_ROUND = True
 # A masked tile's weights times the slot's V as it is, the tile taken again with V checked and copied
 # only when that product is not finite (V is nearly always finite): its masked tiles cost 1200 cycles
