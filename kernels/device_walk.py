@@ -51,6 +51,14 @@ def lone_round(num_tiles: int, num_heads: int, programs: int) -> bool:
 
 
 @triton.jit
+def _sequence_tiles(seq_lens, query_start_loc, b, BLOCK_M: tl.constexpr):
+    """(context, query tiles) of sequence b: its queries span its context's tile to its last position's."""
+    seq_len = tl.load(seq_lens + b)
+    context = seq_len - (tl.load(query_start_loc + b + 1) - tl.load(query_start_loc + b))
+    return context, tl.where(context < seq_len, (seq_len - 1) // BLOCK_M - context // BLOCK_M + 1, 0)
+
+
+@triton.jit
 def _item_fields(w, num_seqs, num_tiles, seq_lens, query_start_loc, BLOCK_M: tl.constexpr):
     """(sequence, absolute query tile, head) of items w (`hopper_prefill._item_tiles`' head-major
     numbering: head w // num_tiles, the batch's query tile num_tiles - 1 - w % num_tiles); 0s where w
@@ -60,10 +68,7 @@ def _item_fields(w, num_seqs, num_tiles, seq_lens, query_start_loc, BLOCK_M: tl.
     item_abs = tl.zeros(w.shape, tl.int32)
     first = 0
     for b in range(num_seqs):
-        seq_len = tl.load(seq_lens + b)
-        queries = tl.load(query_start_loc + b + 1) - tl.load(query_start_loc + b)
-        context = seq_len - queries
-        count = tl.where(queries > 0, (seq_len - 1) // BLOCK_M - context // BLOCK_M + 1, 0)
+        context, count = _sequence_tiles(seq_lens, query_start_loc, b, BLOCK_M)
         mine = (item_tile >= first) & (item_tile < first + count)
         item_seq = tl.where(mine, b, item_seq)
         item_abs = tl.where(mine, context // BLOCK_M + item_tile - first, item_abs)
@@ -110,9 +115,7 @@ def lone_round_walk_kernel(
     BLOCK: a power of two > programs."""
     num_tiles = 0
     for b in range(num_seqs):
-        seq_len = tl.load(seq_lens + b)
-        queries = tl.load(query_start_loc + b + 1) - tl.load(query_start_loc + b)
-        num_tiles += tl.where(queries > 0, (seq_len - 1) // BLOCK_M - (seq_len - queries) // BLOCK_M + 1, 0)
+        num_tiles += _sequence_tiles(seq_lens, query_start_loc, b, BLOCK_M)[1]
     num_items = num_tiles * num_heads
     if (num_items > 0) & (num_items <= programs):
         p = tl.arange(0, BLOCK)
