@@ -50,6 +50,7 @@ MIN_CONTEXT_BUCKET = 256
 # its pieces' outputs, about 20 KB a token a layer of the 32-layer model (11 GB if all are used).
 PIECE_TOKEN_BUCKETS = (*range(16, 256, 16), *range(256, 1024, 64), *range(1024, 2049, 256))
 ALIGN = 16  # bytes: each field of the static buffer starts aligned, as the kernels' specialization prefers
+COPY_GRAIN = 4096  # bytes: a partial copy of the static buffer takes a multiple of this (`StaticInputs.copy`)
 
 
 def cuda_capture(forward: Callable[[], tuple[torch.Tensor, ...]], pool, plans: dict):
@@ -129,6 +130,10 @@ class StaticInputs:
         self.host = torch.zeros(size, dtype=torch.uint8, pin_memory=pinned)
         self.static = torch.zeros(size, dtype=torch.uint8, device=device)
         self.packed = host = self.staging.numpy()
+        self.pinned = self.host.numpy()
+        # bytes -> (pinned, device) views of the buffer's first bytes, made once a size: a copy then makes
+        # one torch call (each slice of a tensor was another, at several µs apiece on a slow host)
+        self.prefixes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # name -> its numpy view on the host, and its tensor view on the device
         self.fields = {
             name: host[at : at + n * dtype.itemsize].view(np.dtype(str(dtype).removeprefix("torch.")))
@@ -163,11 +168,16 @@ class StaticInputs:
         size = self.staging.shape[0]
         if end is not None:
             at, dtype, _ = self.spans[end]
-            size = at + elements * dtype.itemsize
+            # Rounded up, so that a graph holds a few prefixes' views; the bytes past the field's elements
+            # are its own unread entries (contract §4) or the alignment after it.
+            size = min(size, -(-(at + elements * dtype.itemsize) // COPY_GRAIN) * COPY_GRAIN)
         if self.copied is not None:
             self.copied.synchronize()  # the last step's copy has left the pinned buffer
-        self.host[:size].copy_(self.staging[:size])
-        self.static[:size].copy_(self.host[:size], non_blocking=True)
+        self.pinned[:size] = self.packed[:size]
+        prefix = self.prefixes.get(size)
+        if prefix is None:
+            prefix = self.prefixes[size] = (self.host[:size], self.static[:size])
+        prefix[1].copy_(prefix[0], non_blocking=True)
         if self.copied is not None:
             self.copied.record()
 
