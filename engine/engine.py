@@ -2,8 +2,6 @@
 
 import struct
 
-import numpy as np
-
 from engine.block_pool import BlockPool, pages_for
 from engine.config import EngineConfig
 from engine.model import ModelArgs
@@ -13,12 +11,13 @@ from engine.sequence import RequestOutput, SamplingParams, Sequence, SequenceSta
 
 
 def _packed(token_ids: list[int]) -> bytes | None:
-    """The ids as int64 little-endian bytes (one `struct` call, the fastest conversion of Python ints), or
-    None where one lies beyond int64. Admission checks their extremes on them, and the block pool encodes
-    the prompt's pages from them (`Sequence.packed_prompt`): a request's fixed host cost, paid at every hit
-    share."""
+    """The ids as 64-bit little-endian bytes (one `struct` call, the fastest conversion of Python ints), or
+    None where one is negative or beyond 64 bits. Packed unsigned, so that a packing is itself the check
+    of the ids' lower bound; ids below 2**63, which are all that admission lets through, have the same
+    bytes as int64, from which the block pool encodes the prompt's pages (`Sequence.packed_prompt`): a
+    request's fixed host cost, paid at every hit share."""
     try:
-        return struct.pack(f"<{len(token_ids)}q", *token_ids)
+        return struct.pack(f"<{len(token_ids)}Q", *token_ids)
     except struct.error:
         return None
 
@@ -61,11 +60,9 @@ class LLM:
             bad = next(t for t in prompt if type(t) is not int)
             raise TypeError(f"token ids must be ints, got {type(bad).__name__}")
         packed = _packed(prompt)
-        if packed is None:
-            lowest, highest = min(prompt), max(prompt)
-        else:
-            ids = np.frombuffer(packed, np.int64)
-            lowest, highest = int(ids.min()), int(ids.max())
+        # A packed prompt has no negative id. Python's max over the ints took a third of the time of numpy's
+        # min and max over the packed bytes, on a host whose caches the step before had left cold.
+        lowest, highest = (min(prompt), max(prompt)) if packed is None else (0, max(prompt))
         if lowest < 0 or highest >= vocab:
             bad = lowest if lowest < 0 else highest
             raise ValueError(f"token id {bad} lies outside the vocabulary [0, {vocab})")

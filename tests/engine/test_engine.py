@@ -212,6 +212,8 @@ def test_generate_forced_hash_collision(monkeypatch):
         pytest.param([[1, 2.0]], SamplingParams(), TypeError, id="float-token"),
         pytest.param([[1, True]], SamplingParams(), TypeError, id="bool-token"),
         pytest.param([[1, 2**64]], SamplingParams(), ValueError, id="token-past-int64"),
+        pytest.param([[1, 2**63]], SamplingParams(), ValueError, id="token-past-int64-fits-uint64"),
+        pytest.param([[1, -(2**70)]], SamplingParams(), ValueError, id="negative-token-past-int64"),
         pytest.param([[1, 2], [3] * 300], SamplingParams(), ValueError, id="larger-than-cache"),
         pytest.param([[1, 2]], SamplingParams(max_tokens=300), ValueError, id="output-larger-than-cache"),
         pytest.param("abc", SamplingParams(), TypeError, id="prompts-not-a-list"),
