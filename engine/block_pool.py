@@ -48,8 +48,6 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-import numpy as np
-
 SEED_DOMAIN = b"engine.block_pool.seed/v1"
 NO_EXTRA_KEYS_ENCODED = struct.pack("<Q", 0)
 
@@ -110,17 +108,21 @@ def encode_page(token_ids: tuple[int, ...] | list[int], extra_keys: tuple) -> by
     return b"".join([tokens, struct.pack("<Q", len(extra_keys)), *map(_encode, extra_keys)])
 
 
-def encode_pages(token_ids: list[int] | memoryview, page_size: int) -> list[bytes]:
+@functools.cache
+def _framed_page_struct(page_size: int) -> struct.Struct:
+    """count || a page's packed int64 ids || no extra keys (0), as `encode_page` lays them out."""
+    return struct.Struct(f"<Q{page_size * 8}sQ")
+
+
+def encode_pages(token_ids: list[int] | bytes | memoryview, page_size: int) -> list[bytes]:
     """`encode_page(page, ())` of each page of `token_ids` (whole pages), built at once: a list of ints,
     or the same ids already packed as int64 little-endian bytes (`Sequence.packed_prompt`)."""
     if isinstance(token_ids, list):
         token_ids = struct.pack(f"<{len(token_ids)}q", *token_ids)  # several times faster than np.array(list)
-    ids = np.frombuffer(token_ids, "<i8")
-    rows = np.zeros((ids.shape[0] // page_size, page_size + 2), "<i8")  # last column: no extra keys
-    rows[:, 0] = page_size
-    rows[:, 1:-1] = ids.reshape(-1, page_size)
-    # Each row viewed as one opaque item: tolist() then makes a bytes object a row, cheaper than slicing.
-    return rows.view(f"V{rows.itemsize * rows.shape[1]}").ravel().tolist()
+    # struct, not numpy: the same speed warm, but half the time on a host whose caches the step before had
+    # left cold (65 µs against 33 for a 2k prompt on the CI machine), where admission runs.
+    ids, frame, step = bytes(token_ids), _framed_page_struct(page_size).pack, page_size * 8
+    return [frame(page_size, ids[at : at + step], 0) for at in range(0, len(ids) - step + 1, step)]
 
 
 def hash_page(parent_hash: bytes, token_ids: tuple[int, ...] | list[int], extra_keys: tuple) -> bytes:

@@ -48,6 +48,9 @@
 #                                             the engine's and the planned prefill's tests, the engine with it, with
 #                                             the items whole and with the host's walk in turns (host_ab;
 #                                             HOST_AB_ARMS), the TTFT phases
+#   bash reports/gpu_check.sh OUT_DIR table    issue 17's check of the tree as landed, in one call: the walk's,
+#                                             graphs' and split's GPU tests, then the whole TTFT table
+#                                             (reports/bench_engine.py, into OUT_DIR/ttft)
 #   bash reports/gpu_check.sh OUT_DIR verdicts-rest    sharpness and false alarms on the GPU
 #                                             (sharpness.md), and an illegal memory access in the
 #                                             campaign (worker replaced), in --replay and in pytest
@@ -185,6 +188,14 @@ BREAKS
       --runs "${HOST_AB_RUNS:-7}"
     step 100 ttft-phases python3 -m reports.ttft_phases --phases
     [ -n "${WALK_TTFT:-}" ] && step 300 engine-ttft python3 -m reports.bench_engine --out "$out/ttft"
+    ;;
+  table)
+    step "${TABLE_TESTS_CAP:-230}" table-tests python3 -m pytest -q -n 8 -rf -p no:cacheprovider \
+      tests/kernels/test_device_walk.py tests/engine/test_cuda_graphs.py tests/kernels/test_hopper_prefill.py \
+      tests/kernels/test_walk.py
+    tail -n 3 "$out/table-tests.log" >> "$out/summary.txt"
+    step 320 engine-ttft python3 -m reports.bench_engine --out "$out/ttft" --time-cap 255
+    grep "phi3-small |" "$out/ttft/engine-ttft.md" >> "$out/summary.txt"
     ;;
   blas)
     step 150 engine-tests python3 -m pytest -q -n 8 -rf -p no:cacheprovider tests/engine
