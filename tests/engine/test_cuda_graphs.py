@@ -6,6 +6,7 @@ is what a graph's launches read. Either way the runs with graphs, prefix caching
 pass harness/engine_check.py's rule against an eager run without caching.
 """
 
+import importlib
 from types import SimpleNamespace
 
 import pytest
@@ -15,9 +16,12 @@ from hypothesis import event, given
 from engine import LLM, SamplingParams
 from engine.cuda_graphs import PIECE_TOKEN_BUCKETS, StepGraphs, buckets, rerun_capture, segments
 from engine.model import MODEL_CONFIGS
-from kernels import hopper_prefill, paged_prefill
+from kernels import hopper_prefill
 from tests.budgets import examples
 from tests.engine.test_engine import TRITON_STREAMS, assert_equivalent, make_llm, run_stream
+
+# The module, not the package's function of the same name (kernels/__init__.py)
+paged_prefill = importlib.import_module("kernels.paged_prefill")
 
 
 def with_graphs(llm: LLM, whole_prefill: bool = True) -> LLM:

@@ -83,12 +83,23 @@ SPLIT_CASES = {
 }
 # Cases of one round of items that leaves programs idle (SPLIT_ONE_ROUND), the engine's step over a
 # cached 2k prompt among them.
+# A lone round that `split_one_round` splits over its plan's programs (min(the most query tiles of a batch
+# in the plan's bounds x heads, SMs): on a 132-SM GPU; tests/kernels/test_walk.py checks it on the host).
 ONE_ROUND_CASES = {
-    name: CASES[name] for name in ("elements-S16-P32", "dense-ctx223-q777-P16", "dense-P8-D64-fp16-batch")
-} | {
+    "dense-P64-batch": CASES["dense-P64-batch"],
     "phi3-ctx1840-q208": _case((2048,), (208,), 32, 8, layout=PHI3),
-    "rows-empty-long": SPLIT_CASES["rows-empty-long"],
-    "scale-saturating-long": SPLIT_CASES["scale-saturating-long"],
+    "dense-ctx800-q200-P16": _case((1000,), (200,)),
+    "dense-P8-D64-fp16-batch-q150": _case((700, 1, 333), (150, 1, 60), d=64, page=8, dtype="float16"),
+    "elements-S16-P32-q130": _case(
+        (900,),
+        (130,),
+        d=64,
+        page=32,
+        dtype="float16",
+        layout=LayoutSpec("block_mask", 16, density=0.5, mask_seed=3),
+    ),
+    "rows-empty-long-q200": _case((1500,), (200,), layout=LayoutSpec("block_mask", 64, density=0.15)),
+    "scale-saturating-long-q150": _case((1200,), (150,), scale=32.0, input_scale=5.0),
 }
 PARAMS = [pytest.param(name, None, id=name) for name in CASES] + [
     pytest.param(name, poison, id=f"{name}-{poison[0]}-{poison[3]}@{poison[1]}")
@@ -159,7 +170,7 @@ def test_hopper_prefill_split_items(hopper_path, monkeypatch, name, poison):
 
 @pytest.mark.parametrize("name", list(ONE_ROUND_CASES))
 def test_hopper_prefill_split_one_round(hopper_path, monkeypatch, name):
-    """SPLIT_ONE_ROUND (off by default): a single round of items, fewer than the programs, split over
+    """SPLIT_ONE_ROUND (on by default): a single round of items, fewer than the programs, split over
     the idle ones (parts of a tile or more): against the oracle, and the same bits on a second run."""
     monkeypatch.setattr(hopper_prefill, "SPLIT_ONE_ROUND", True)
     monkeypatch.setattr(hopper_prefill, "MIN_SPLIT_TILES", 1)
@@ -226,8 +237,8 @@ def test_hopper_prefill_replanned_in_a_cuda_graph(hopper_path, monkeypatch, name
     are made by the host (kernels/device_walk.py off), by the GPU at the replan, or by the GPU inside
     the graph (`walk_launch`, as an engine's prefill graph holds it in its lead), with no replan."""
     monkeypatch.setattr(device_walk, "ENABLED", walk != "host")
+    monkeypatch.setattr(hopper_prefill, "SPLIT_ONE_ROUND", split)
     if split:
-        monkeypatch.setattr(hopper_prefill, "SPLIT_ONE_ROUND", True)
         monkeypatch.setattr(hopper_prefill, "MIN_SPLIT_TILES", 1)
         monkeypatch.setattr(hopper_prefill, "SPLIT_COST", 0.0)
     case, plans = CASES[name], []

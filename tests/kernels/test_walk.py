@@ -5,6 +5,7 @@ evens the programs' ends; the cheapest items walked last end the busiest program
 schedule, so the kernel's outputs do not depend on it: the GPU tests of
 tests/kernels/test_hopper_prefill.py judge those against the oracle, on walks with split items."""
 
+import importlib
 import math
 from fractions import Fraction
 
@@ -15,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import reference
+from harness.cases import build_inputs
 from kernels import hopper_prefill, tile_lists
 from kernels.hopper_prefill import (
     BLOCK_M,
@@ -26,6 +28,9 @@ from kernels.hopper_prefill import (
     plan_walk,
 )
 from tests.budgets import examples
+from tests.kernels.test_hopper_prefill import ONE_ROUND_CASES
+
+paged_prefill = importlib.import_module("kernels.paged_prefill")  # the module, not the package's function
 
 pytestmark = [pytest.mark.ours, pytest.mark.operator("paged_prefill")]
 
@@ -386,6 +391,27 @@ def test_split_one_round_at_the_engines_2k_step():
     whole = max(unit_cost(costs, (w, 0, costs[w].sum())) for w in range(64))
     split = max(unit_cost(costs, u) + SPLIT_COST for u in walk.units[:128])
     assert split < 0.76 * whole
+
+
+@pytest.mark.parametrize("name", list(ONE_ROUND_CASES))
+def test_split_one_round_splits_the_gpu_tests_one_round_cases(monkeypatch, name):
+    """Each of tests/kernels/test_hopper_prefill.py's ONE_ROUND_CASES, whose GPU test wants a split, is
+    split by the rule under that test's settings, over the programs its plan launches on a 132-SM GPU (an
+    H100 or an H200): the host's check of what only a GPU runs."""
+    monkeypatch.setattr(hopper_prefill, "MIN_SPLIT_TILES", 1)
+    monkeypatch.setattr(hopper_prefill, "SPLIT_COST", 0.0)
+    case = ONE_ROUND_CASES[name]
+    inputs = build_inputs(case, "cpu")
+    lens, starts = inputs["seq_lens"].tolist(), inputs["query_start_loc"].tolist()
+    query_tiles = paged_prefill._query_tiles(lens, starts, BLOCK_M)
+    lists = tile_lists.tile_lists(
+        inputs["layout"], case.num_heads, max(lens), BLOCK_M, BLOCK_N, 1, "cpu", halves=True
+    )
+    max_tiles = paged_prefill.max_query_tiles(len(lens), inputs["q"].shape[0], BLOCK_M)
+    programs = min(max_tiles * case.num_heads, 132)  # hopper_prefill.num_programs
+    walk = hopper_prefill.split_one_round(lists.counts, query_tiles, case.num_heads, programs)
+    assert walk is not None and walk.num_slots > 0, "the rule splits no item of the case"
+    check_cover(walk, item_lists(lists.counts, query_tiles, case.num_heads))
 
 
 @examples(6)
