@@ -81,10 +81,9 @@ SPLIT_CASES = {
     "rows-empty-long": _case((1500,), (1500,), layout=LayoutSpec("block_mask", 64, density=0.15)),
     "scale-saturating-long": _case((1200,), (1000,), scale=32.0, input_scale=5.0),
 }
-# Cases of one round of items that leaves programs idle (SPLIT_ONE_ROUND), the engine's step over a
-# cached 2k prompt among them.
-# A lone round that `split_one_round` splits over its plan's programs (min(the most query tiles of a batch
-# in the plan's bounds x heads, SMs): on a 132-SM GPU; tests/kernels/test_walk.py checks it on the host).
+# Cases of one round of items that leaves programs idle (SPLIT_ONE_ROUND), the engine's step over a cached
+# 2k prompt among them, each split by `split_one_round` over its plan's programs (min(the most query tiles
+# of a batch in the plan's bounds x heads, SMs) on a 132-SM GPU; tests/kernels/test_walk.py checks it).
 ONE_ROUND_CASES = {
     "dense-P64-batch": CASES["dense-P64-batch"],
     "phi3-ctx1840-q208": _case((2048,), (208,), 32, 8, layout=PHI3),
