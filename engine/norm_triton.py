@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from engine.norm import validate_add_layer_norm
+from kernels._common import dependent_launch
 
 
 # Grid: (token,). Each program sums and normalizes one row of BLOCK_N >= dim columns.
@@ -29,7 +30,10 @@ def add_layer_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    WAIT_PRIOR: tl.constexpr,
 ):
+    if WAIT_PRIOR:  # a dependent launch (kernels/_common.py): x and residual may still be being written
+        tl.extra.cuda.gdc_wait()
     i_t = tl.program_id(0).to(tl.int64)
     o_n = tl.arange(0, BLOCK_N)
     m_n = o_n < dim
@@ -70,7 +74,7 @@ def add_layer_norm(x, residual, weight, bias, eps: float):
         residual = residual.contiguous()
     y = x.new_empty(num_tokens, dim)
     if num_tokens:
-        block = triton.next_power_of_2(dim)
+        block, dependent = triton.next_power_of_2(dim), dependent_launch(x.device)
         add_layer_norm_kernel[(num_tokens,)](
             x,
             x if residual is None else residual,
@@ -86,6 +90,8 @@ def add_layer_norm(x, residual, weight, bias, eps: float):
             eps,
             HAS_RESIDUAL=residual is not None,
             BLOCK_N=block,
+            WAIT_PRIOR=dependent,
+            launch_pdl=dependent,
             num_warps=min(max(block // 512, 1), 16),
         )
     return h, y

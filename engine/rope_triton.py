@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from engine.rope import validate_split_rotary
+from kernels._common import dependent_launch
 
 BLOCK_H = 16  # heads a program: the 32-layer model's 48 heads of a token in three programs
 
@@ -35,7 +36,10 @@ def split_rotary_kernel(
     head_dim,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    WAIT_PRIOR: tl.constexpr,
 ):
+    if WAIT_PRIOR:  # a dependent launch (kernels/_common.py): the product may still be writing qkv
+        tl.extra.cuda.gdc_wait()
     i_t = tl.program_id(0).to(tl.int64)
     o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     o_d = tl.arange(0, BLOCK_D)
@@ -81,6 +85,7 @@ def split_rotary(qkv, cos, sin, n_heads: int, n_kv_heads: int):
     k, v = (qkv.new_empty(num_tokens, n_kv_heads, head_dim) for _ in range(2))
     heads = n_heads + 2 * n_kv_heads
     if num_tokens:
+        dependent = dependent_launch(qkv.device)
         split_rotary_kernel[(num_tokens, triton.cdiv(heads, BLOCK_H))](
             qkv,
             cos,
@@ -98,6 +103,8 @@ def split_rotary(qkv, cos, sin, n_heads: int, n_kv_heads: int):
             head_dim,
             BLOCK_H=BLOCK_H,
             BLOCK_D=triton.next_power_of_2(head_dim),
+            WAIT_PRIOR=dependent,
+            launch_pdl=dependent,
             enable_fp_fusion=False,
         )
     return q, k, v

@@ -37,6 +37,27 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+# Hopper's programmatic dependent launch for the small kernels between a layer's products (rotary, the
+# K/V write, the norms): such a kernel may be launched while the one before it drains, and waits for
+# it (`griddepcontrol.wait`, WAIT_PRIOR) before its first memory access, so a graph's gap between the
+# two shrinks. A module setting, read when a launch is made or planned, so that an A/B
+# (reports/host_ab.py's "no dependent launch") turns it off.
+DEPENDENT_LAUNCH = True
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def dependent_launch(device: torch.device) -> bool:
+    """Whether a kernel on `device` launches as a programmatic dependent of the kernel before it: on a
+    GPU of compute capability 9.0 or more, never under the interpreter, with DEPENDENT_LAUNCH on."""
+    if not DEPENDENT_LAUNCH or device.type != "cuda" or interpreted():
+        return False
+    return _capability(torch.cuda.current_device() if device.index is None else device.index)[0] >= 9
+
+
 def contiguous_strides(shape) -> tuple[int, ...]:
     """The strides torch gives a contiguous tensor of `shape`."""
     strides, step = [], 1

@@ -7,7 +7,7 @@ Every tensor may be a non-contiguous view: K/V and caches are addressed through 
 import triton
 import triton.language as tl
 
-from kernels._common import MIN_DOT, BoundLaunch
+from kernels._common import MIN_DOT, BoundLaunch, dependent_launch
 from reference.validation import PlanGuard, validate_write_kv
 
 NUM_WARPS = 4
@@ -40,7 +40,10 @@ def write_kv_kernel(
     head_dim,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    WAIT_PRIOR: tl.constexpr,
 ):
+    if WAIT_PRIOR:  # a dependent launch (_common.DEPENDENT_LAUNCH): k and v may still be being written
+        tl.extra.cuda.gdc_wait()
     i_t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping + i_t)
     if slot >= 0:
@@ -88,6 +91,7 @@ class WritePlan:
         )
         self.launch = None
         if num_tokens:
+            dependent = dependent_launch(k.device)
             self.launch = BoundLaunch(
                 write_kv_kernel,
                 (num_tokens,),
@@ -99,6 +103,8 @@ class WritePlan:
                 head_dim=head_dim,
                 BLOCK_H=triton.next_power_of_2(num_kv_heads),
                 BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)),
+                WAIT_PRIOR=dependent,
+                launch_pdl=dependent,
                 num_warps=NUM_WARPS,
             )
 

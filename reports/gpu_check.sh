@@ -50,7 +50,9 @@
 #                                             HOST_AB_ARMS), the TTFT phases
 #   bash reports/gpu_check.sh OUT_DIR table    issue 17's check of the tree as landed, in one call: the walk's,
 #                                             graphs' and split's GPU tests, then the whole TTFT table
-#                                             (reports/bench_engine.py, into OUT_DIR/ttft)
+#                                             (reports/bench_engine.py, into OUT_DIR/ttft); TABLE_AB="tree,ARM":
+#                                             then reports/host_ab.py's arms; TABLE_PHASES=1: then
+#                                             reports/ttft_phases.py --phases
 #   bash reports/gpu_check.sh OUT_DIR verdicts-rest    sharpness and false alarms on the GPU
 #                                             (sharpness.md), and an illegal memory access in the
 #                                             campaign (worker replaced), in --replay and in pytest
@@ -192,10 +194,18 @@ BREAKS
   table)
     step "${TABLE_TESTS_CAP:-230}" table-tests python3 -m pytest -q -n 8 -rf -p no:cacheprovider \
       tests/kernels/test_device_walk.py tests/engine/test_cuda_graphs.py tests/kernels/test_hopper_prefill.py \
-      tests/kernels/test_walk.py
+      tests/kernels/test_walk.py tests/kernels/test_dependent_launch.py tests/kernels/test_write_kv.py \
+      tests/engine/test_rope.py tests/engine/test_norm.py
     tail -n 3 "$out/table-tests.log" >> "$out/summary.txt"
     step 320 engine-ttft python3 -m reports.bench_engine --out "$out/ttft" --time-cap 255
     grep "phi3-small |" "$out/ttft/engine-ttft.md" >> "$out/summary.txt"
+    # TABLE_AB="tree,ARM,...": then reports/host_ab.py's arms in turns; TABLE_PHASES=1: then where the 90%
+    # cached requests' time goes (reports/ttft_phases.py --phases)
+    if [ -n "${TABLE_AB:-}" ]; then
+      step 150 host-ab python3 -m reports.host_ab --arms "$TABLE_AB" --runs "${HOST_AB_RUNS:-9}"
+      grep "^ttft" "$out/host-ab.log" >> "$out/summary.txt"
+    fi
+    [ "${TABLE_PHASES:-0}" = 1 ] && step 150 ttft-phases python3 -m reports.ttft_phases --phases
     ;;
   blas)
     step 150 engine-tests python3 -m pytest -q -n 8 -rf -p no:cacheprovider tests/engine

@@ -15,6 +15,8 @@ turns by every arm, on one engine. An arm is the tree with some changes undone:
     blas chosen        graphs whose linear layers take each bucket's faster library, and whose buckets
                        a larger one undercuts are dropped (`blas_choice.calibrate`, whatever
                        `blas_choice.ENABLED` says: graphs of their own)
+    no dependent launch  the small kernels between the products launched plainly, not as programmatic
+                       dependents (kernels/_common.py's DEPENDENT_LAUNCH off: graphs of their own)
 Prints `label value` lines: medians of the runs after two warm-up ones of each arm's TTFT(0) and TTFT(h),
 their ratio, and the tokens its requests found cached (the same in every arm, or the script stops); then
 each set of graphs' token buckets and the libraries it took at the buckets used.
@@ -28,7 +30,7 @@ import statistics
 
 from engine import block_pool
 from engine.cuda_graphs import PrefillGraph, StepGraphs, linear_timer
-from kernels import device_walk, hopper_prefill
+from kernels import _common, device_walk, hopper_prefill
 from reports.ttft_phases import HIT, PROMPTS, WARMUP, engine, timed_request
 
 
@@ -52,6 +54,7 @@ ARMS = {
     "all undone": ("keys whole", "digests forgotten", "no lead", "host walk", "whole round"),
     "blas default": ("blas default",),
     "blas chosen": ("blas chosen",),
+    "no dependent launch": ("no dependent launch",),
 }
 
 
@@ -59,7 +62,8 @@ ARMS = {
 def undone(llm, undo: tuple, graphs: dict):
     """The tree with the changes named in `undo` undone, for one request (it resets the cache first)."""
     page_keys, lead, on_device = block_pool.BlockPool.page_keys, PrefillGraph.LEAD, device_walk.ENABLED
-    split = hopper_prefill.SPLIT_ONE_ROUND
+    split, dependent = hopper_prefill.SPLIT_ONE_ROUND, _common.DEPENDENT_LAUNCH
+    _common.DEPENDENT_LAUNCH = dependent and "no dependent launch" not in undo
     device_walk.ENABLED = on_device and "host walk" not in undo
     hopper_prefill.SPLIT_ONE_ROUND = split and "whole round" not in undo
     if "digests forgotten" in undo:
@@ -67,7 +71,7 @@ def undone(llm, undo: tuple, graphs: dict):
     if "keys whole" in undo:
         block_pool.BlockPool.page_keys = lambda pool, seq, through_first_unknown=False: page_keys(pool, seq)
     blas = next((arm for arm in ("blas default", "blas chosen") if arm in undo), None)
-    key = ("no lead" in undo, blas, "host walk" in undo, "whole round" in undo)
+    key = ("no lead" in undo, blas, "host walk" in undo, "whole round" in undo, "no dependent launch" in undo)
     if key not in graphs:  # captured on first use under the arm's settings
         timers = {
             None: None,
@@ -83,7 +87,7 @@ def undone(llm, undo: tuple, graphs: dict):
     finally:
         llm.pool.digests = {}  # consistent again at the next request's cache reset
         block_pool.BlockPool.page_keys, PrefillGraph.LEAD, device_walk.ENABLED = page_keys, lead, on_device
-        hopper_prefill.SPLIT_ONE_ROUND = split
+        hopper_prefill.SPLIT_ONE_ROUND, _common.DEPENDENT_LAUNCH = split, dependent
 
 
 def main(argv=None) -> None:
@@ -93,7 +97,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     arms = args.arms.split(",")
     llm = engine()
-    graphs = {(False, None, False, False): llm.runner.graphs}
+    graphs = {(False, None, False, False, False): llm.runner.graphs}
     for length in PROMPTS:
         times, cached = {(arm, share): [] for arm in arms for share in (0.0, HIT)}, set()
         for run in range(args.runs):
@@ -115,10 +119,11 @@ def main(argv=None) -> None:
                 f"ratio {median / base:.4f}, cached {tokens}",
                 flush=True,
             )
-        llm.runner.graphs = graphs[False, None, False, False]
-    for (no_lead, blas, host_walk, whole_round), taken in graphs.items():
+        llm.runner.graphs = graphs[False, None, False, False, False]
+    for (no_lead, blas, host_walk, whole_round, plain), taken in graphs.items():
         names = ("no lead" if no_lead else None, blas, "host walk" if host_walk else None)
-        label = ", ".join(name for name in (*names, "whole round" if whole_round else None) if name) or "tree"
+        names += ("whole round" if whole_round else None, "no dependent launch" if plain else None)
+        label = ", ".join(name for name in names if name) or "tree"
         print(f"{label} token buckets: {taken.token_buckets}")
         for tokens in sorted(taken.prefill):
             print(f"{label} libraries at {tokens} rows: {taken.choices.get(tokens)}")
