@@ -17,6 +17,8 @@ turns by every arm, on one engine. An arm is the tree with some changes undone:
                        `blas_choice.ENABLED` says: graphs of their own)
     no dependent launch  the small kernels between the products launched plainly, not as programmatic
                        dependents (kernels/_common.py's DEPENDENT_LAUNCH off: graphs of their own)
+    dependent launch   those kernels launched as programmatic dependents (DEPENDENT_LAUNCH on, whatever
+                       the tree says: graphs of their own where the tree has it off)
 Prints `label value` lines: medians of the runs after two warm-up ones of each arm's TTFT(0) and TTFT(h),
 their ratio, and the tokens its requests found cached (the same in every arm, or the script stops); then
 each set of graphs' token buckets and the libraries it took at the buckets used.
@@ -55,6 +57,7 @@ ARMS = {
     "blas default": ("blas default",),
     "blas chosen": ("blas chosen",),
     "no dependent launch": ("no dependent launch",),
+    "dependent launch": ("dependent launch",),
 }
 
 
@@ -63,7 +66,8 @@ def undone(llm, undo: tuple, graphs: dict):
     """The tree with the changes named in `undo` undone, for one request (it resets the cache first)."""
     page_keys, lead, on_device = block_pool.BlockPool.page_keys, PrefillGraph.LEAD, device_walk.ENABLED
     split, dependent = hopper_prefill.SPLIT_ONE_ROUND, _common.DEPENDENT_LAUNCH
-    _common.DEPENDENT_LAUNCH = dependent and "no dependent launch" not in undo
+    if "dependent launch" in undo or "no dependent launch" in undo:
+        _common.DEPENDENT_LAUNCH = "dependent launch" in undo
     device_walk.ENABLED = on_device and "host walk" not in undo
     hopper_prefill.SPLIT_ONE_ROUND = split and "whole round" not in undo
     if "digests forgotten" in undo:
@@ -71,7 +75,7 @@ def undone(llm, undo: tuple, graphs: dict):
     if "keys whole" in undo:
         block_pool.BlockPool.page_keys = lambda pool, seq, through_first_unknown=False: page_keys(pool, seq)
     blas = next((arm for arm in ("blas default", "blas chosen") if arm in undo), None)
-    key = ("no lead" in undo, blas, "host walk" in undo, "whole round" in undo, "no dependent launch" in undo)
+    key = ("no lead" in undo, blas, "host walk" in undo, "whole round" in undo, _common.DEPENDENT_LAUNCH)
     if key not in graphs:  # captured on first use under the arm's settings
         timers = {
             None: None,
@@ -97,7 +101,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     arms = args.arms.split(",")
     llm = engine()
-    graphs = {(False, None, False, False, False): llm.runner.graphs}
+    tree = (False, None, False, False, _common.DEPENDENT_LAUNCH)
+    graphs = {tree: llm.runner.graphs}
     for length in PROMPTS:
         times, cached = {(arm, share): [] for arm in arms for share in (0.0, HIT)}, set()
         for run in range(args.runs):
@@ -119,10 +124,12 @@ def main(argv=None) -> None:
                 f"ratio {median / base:.4f}, cached {tokens}",
                 flush=True,
             )
-        llm.runner.graphs = graphs[False, None, False, False, False]
-    for (no_lead, blas, host_walk, whole_round, plain), taken in graphs.items():
+        llm.runner.graphs = graphs[tree]
+    for (no_lead, blas, host_walk, whole_round, dependent), taken in graphs.items():
         names = ("no lead" if no_lead else None, blas, "host walk" if host_walk else None)
-        names += ("whole round" if whole_round else None, "no dependent launch" if plain else None)
+        if dependent != tree[-1]:
+            names += ("dependent launch" if dependent else "no dependent launch",)
+        names += ("whole round" if whole_round else None,)
         label = ", ".join(name for name in names if name) or "tree"
         print(f"{label} token buckets: {taken.token_buckets}")
         for tokens in sorted(taken.prefill):
