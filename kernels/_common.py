@@ -41,8 +41,9 @@ def interpreted() -> bool:
 # K/V write, the norms): such a kernel may be launched while the one before it drains, and waits for
 # it (`griddepcontrol.wait`, WAIT_PRIOR) before its first memory access, so a graph's gap between the
 # two shrinks. A module setting, read when a launch is made or planned, so that an A/B
-# (reports/host_ab.py's "no dependent launch") turns it off.
-DEPENDENT_LAUNCH = True
+# (reports/host_ab.py's "dependent launch") turns it on. Off until it has run on a GPU
+# (`bash reports/gpu_check.sh OUT dependent`).
+DEPENDENT_LAUNCH = False
 
 
 @functools.cache

@@ -53,6 +53,10 @@
 #                                             (reports/bench_engine.py, into OUT_DIR/ttft); TABLE_AB="tree,ARM":
 #                                             then reports/host_ab.py's arms; TABLE_PHASES=1: then
 #                                             reports/ttft_phases.py --phases
+#   bash reports/gpu_check.sh OUT_DIR dependent   issue 17's dependent launches (kernels/_common.py's
+#                                             DEPENDENT_LAUNCH, off): its kernels', the graphs' and the
+#                                             engine's tests in a copy of the tree with it on, then the
+#                                             engine with it and without in turns (host_ab)
 #   bash reports/gpu_check.sh OUT_DIR verdicts-rest    sharpness and false alarms on the GPU
 #                                             (sharpness.md), and an illegal memory access in the
 #                                             campaign (worker replaced), in --replay and in pytest
@@ -206,6 +210,18 @@ BREAKS
       grep "^ttft" "$out/host-ab.log" >> "$out/summary.txt"
     fi
     [ "${TABLE_PHASES:-0}" = 1 ] && step 150 ttft-phases python3 -m reports.ttft_phases --phases
+    ;;
+  dependent)
+    # kernels/_common.py's DEPENDENT_LAUNCH on: the tests of its kernels, the engine's graphs and the model's
+    # steps in a copy of the tree with it on, then the engine with it against without, in turns (host_ab)
+    on=/tmp/dependent-launch-on
+    switched_on "$on" kernels/_common.py DEPENDENT_LAUNCH
+    (cd "$on" && step "${DEPENDENT_TESTS_CAP:-200}" tests-on python3 -m pytest -q -n 8 -rf -p no:cacheprovider \
+      tests/kernels/test_dependent_launch.py tests/kernels/test_write_kv.py tests/engine/test_rope.py \
+      tests/engine/test_norm.py tests/engine/test_cuda_graphs.py tests/engine/test_engine.py) < /dev/null
+    tail -n 3 "$out/tests-on.log" >> "$out/summary.txt"
+    step 150 host-ab python3 -m reports.host_ab --arms "tree,dependent launch" --runs "${HOST_AB_RUNS:-9}"
+    grep "^ttft" "$out/host-ab.log" >> "$out/summary.txt"
     ;;
   blas)
     step 150 engine-tests python3 -m pytest -q -n 8 -rf -p no:cacheprovider tests/engine

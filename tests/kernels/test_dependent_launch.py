@@ -83,9 +83,12 @@ def test_a_dependent_launch_waits_before_its_first_memory_access(compiled, name)
 
 
 @pytest.mark.ours
-def test_no_dependent_launch_off_the_gpu_or_when_switched_off(monkeypatch):
+def test_dependent_launch_only_on_a_hopper_gpu_and_when_switched_on(monkeypatch):
+    monkeypatch.setattr(_common, "DEPENDENT_LAUNCH", True)
     assert not _common.dependent_launch(torch.device("cpu"))
     if torch.cuda.is_available():
+        hopper = torch.cuda.get_device_capability()[0] >= 9
+        assert _common.dependent_launch(torch.device("cuda")) == (hopper and not _common.interpreted())
         monkeypatch.setattr(_common, "DEPENDENT_LAUNCH", False)
         assert not _common.dependent_launch(torch.device("cuda"))
 
