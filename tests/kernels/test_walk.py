@@ -400,6 +400,7 @@ def test_split_one_round_splits_the_gpu_tests_one_round_cases(monkeypatch, name)
     H100 or an H200): the host's check of what only a GPU runs."""
     monkeypatch.setattr(hopper_prefill, "MIN_SPLIT_TILES", 1)
     monkeypatch.setattr(hopper_prefill, "SPLIT_COST", 0.0)
+    monkeypatch.setattr(hopper_prefill, "num_sms", lambda device: 132)
     case = ONE_ROUND_CASES[name]
     inputs = build_inputs(case, "cpu")
     lens, starts = inputs["seq_lens"].tolist(), inputs["query_start_loc"].tolist()
@@ -408,7 +409,7 @@ def test_split_one_round_splits_the_gpu_tests_one_round_cases(monkeypatch, name)
         inputs["layout"], case.num_heads, max(lens), BLOCK_M, BLOCK_N, 1, "cpu", halves=True
     )
     max_tiles = paged_prefill.max_query_tiles(len(lens), inputs["q"].shape[0], BLOCK_M)
-    programs = min(max_tiles * case.num_heads, 132)  # hopper_prefill.num_programs
+    programs = hopper_prefill.num_programs((max_tiles, case.num_heads), torch.device("cuda"))
     walk = hopper_prefill.split_one_round(lists.counts, query_tiles, case.num_heads, programs)
     assert walk is not None and walk.num_slots > 0, "the rule splits no item of the case"
     check_cover(walk, item_lists(lists.counts, query_tiles, case.num_heads))
