@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from engine.norm import validate_add_layer_norm
-from kernels._common import dependent_launch
+from kernels._common import dependent_launch_options
 
 
 # Grid: (token,). Each program sums and normalizes one row of BLOCK_N >= dim columns.
@@ -74,7 +74,7 @@ def add_layer_norm(x, residual, weight, bias, eps: float):
         residual = residual.contiguous()
     y = x.new_empty(num_tokens, dim)
     if num_tokens:
-        block, dependent = triton.next_power_of_2(dim), dependent_launch(x.device)
+        block = triton.next_power_of_2(dim)
         add_layer_norm_kernel[(num_tokens,)](
             x,
             x if residual is None else residual,
@@ -90,8 +90,7 @@ def add_layer_norm(x, residual, weight, bias, eps: float):
             eps,
             HAS_RESIDUAL=residual is not None,
             BLOCK_N=block,
-            WAIT_PRIOR=dependent,
-            launch_pdl=dependent,
+            **dependent_launch_options(x.device),
             num_warps=min(max(block // 512, 1), 16),
         )
     return h, y

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from engine.rope import validate_split_rotary
-from kernels._common import dependent_launch
+from kernels._common import dependent_launch_options
 
 BLOCK_H = 16  # heads a program: the 32-layer model's 48 heads of a token in three programs
 
@@ -85,7 +85,6 @@ def split_rotary(qkv, cos, sin, n_heads: int, n_kv_heads: int):
     k, v = (qkv.new_empty(num_tokens, n_kv_heads, head_dim) for _ in range(2))
     heads = n_heads + 2 * n_kv_heads
     if num_tokens:
-        dependent = dependent_launch(qkv.device)
         split_rotary_kernel[(num_tokens, triton.cdiv(heads, BLOCK_H))](
             qkv,
             cos,
@@ -103,8 +102,7 @@ def split_rotary(qkv, cos, sin, n_heads: int, n_kv_heads: int):
             head_dim,
             BLOCK_H=BLOCK_H,
             BLOCK_D=triton.next_power_of_2(head_dim),
-            WAIT_PRIOR=dependent,
-            launch_pdl=dependent,
+            **dependent_launch_options(qkv.device),
             enable_fp_fusion=False,
         )
     return q, k, v

@@ -59,6 +59,13 @@ def dependent_launch(device: torch.device) -> bool:
     return _capability(torch.cuda.current_device() if device.index is None else device.index)[0] >= 9
 
 
+def dependent_launch_options(device: torch.device) -> dict[str, bool]:
+    """A waiting kernel's launch options on `device`: WAIT_PRIOR (its constexpr) and launch_pdl, always
+    together, since a kernel launched as a dependent that reads before its wait would race."""
+    dependent = dependent_launch(device)
+    return {"WAIT_PRIOR": dependent, "launch_pdl": dependent}
+
+
 def contiguous_strides(shape) -> tuple[int, ...]:
     """The strides torch gives a contiguous tensor of `shape`."""
     strides, step = [], 1

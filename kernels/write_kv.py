@@ -7,7 +7,7 @@ Every tensor may be a non-contiguous view: K/V and caches are addressed through 
 import triton
 import triton.language as tl
 
-from kernels._common import MIN_DOT, BoundLaunch, dependent_launch
+from kernels._common import MIN_DOT, BoundLaunch, dependent_launch_options
 from reference.validation import PlanGuard, validate_write_kv
 
 NUM_WARPS = 4
@@ -91,7 +91,6 @@ class WritePlan:
         )
         self.launch = None
         if num_tokens:
-            dependent = dependent_launch(k.device)
             self.launch = BoundLaunch(
                 write_kv_kernel,
                 (num_tokens,),
@@ -103,8 +102,7 @@ class WritePlan:
                 head_dim=head_dim,
                 BLOCK_H=triton.next_power_of_2(num_kv_heads),
                 BLOCK_D=max(MIN_DOT, triton.next_power_of_2(head_dim)),
-                WAIT_PRIOR=dependent,
-                launch_pdl=dependent,
+                **dependent_launch_options(k.device),
                 num_warps=NUM_WARPS,
             )
 

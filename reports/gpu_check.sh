@@ -76,6 +76,10 @@ step() {  # cap_s, log name, command...
   timeout "$cap" "$@" > "$out/$log.log" 2>&1
   echo "$log: exit $? in $((SECONDS - t0)) s" | tee -a "$out/summary.txt"
 }
+host_ab() {  # cap_s, arms, runs: reports/host_ab.py's arms in turns, their TTFT lines into the summary
+  step "$1" host-ab python3 -m reports.host_ab --arms "$2" --runs "$3"
+  grep "^ttft" "$out/host-ab.log" >> "$out/summary.txt"
+}
 switched_on() {  # dir, file, setting: a copy of the tree in dir with `setting = False` made True in file
   local dir=$1 file=$2 setting=$3
   rm -rf "$dir" && mkdir -p "$dir" && tar --exclude=./.ab --exclude=./.vllm -cf - . | tar -xf - -C "$dir"
@@ -190,8 +194,7 @@ BREAKS
       ${WALK_TESTS:-tests/engine tests/kernels/test_specialization.py} tests/kernels/test_device_walk.py \
       tests/kernels/test_plan.py tests/kernels/test_walk.py tests/kernels/test_hopper_prefill.py
     tail -n 3 "$out/walk-tests.log" >> "$out/summary.txt"
-    step 200 host-ab python3 -m reports.host_ab --arms "${HOST_AB_ARMS:-tree,whole round,host walk}" \
-      --runs "${HOST_AB_RUNS:-7}"
+    host_ab 200 "${HOST_AB_ARMS:-tree,whole round,host walk}" "${HOST_AB_RUNS:-7}"
     step 100 ttft-phases python3 -m reports.ttft_phases --phases
     [ -n "${WALK_TTFT:-}" ] && step 300 engine-ttft python3 -m reports.bench_engine --out "$out/ttft"
     ;;
@@ -205,10 +208,7 @@ BREAKS
     grep "phi3-small |" "$out/ttft/engine-ttft.md" >> "$out/summary.txt"
     # TABLE_AB="tree,ARM,...": then reports/host_ab.py's arms in turns; TABLE_PHASES=1: then where the 90%
     # cached requests' time goes (reports/ttft_phases.py --phases)
-    if [ -n "${TABLE_AB:-}" ]; then
-      step 150 host-ab python3 -m reports.host_ab --arms "$TABLE_AB" --runs "${HOST_AB_RUNS:-9}"
-      grep "^ttft" "$out/host-ab.log" >> "$out/summary.txt"
-    fi
+    [ -n "${TABLE_AB:-}" ] && host_ab 150 "$TABLE_AB" "${HOST_AB_RUNS:-9}"
     [ "${TABLE_PHASES:-0}" = 1 ] && step 150 ttft-phases python3 -m reports.ttft_phases --phases
     ;;
   dependent)
@@ -220,8 +220,7 @@ BREAKS
       tests/kernels/test_dependent_launch.py tests/kernels/test_write_kv.py tests/engine/test_rope.py \
       tests/engine/test_norm.py tests/engine/test_cuda_graphs.py tests/engine/test_engine.py) < /dev/null
     tail -n 3 "$out/tests-on.log" >> "$out/summary.txt"
-    step 150 host-ab python3 -m reports.host_ab --arms "tree,dependent launch" --runs "${HOST_AB_RUNS:-9}"
-    grep "^ttft" "$out/host-ab.log" >> "$out/summary.txt"
+    host_ab 150 "tree,dependent launch" "${HOST_AB_RUNS:-9}"
     ;;
   blas)
     step 150 engine-tests python3 -m pytest -q -n 8 -rf -p no:cacheprovider tests/engine

@@ -93,5 +93,15 @@ def test_dependent_launch_only_on_a_hopper_gpu_and_when_switched_on(monkeypatch)
         assert not _common.dependent_launch(torch.device("cuda"))
 
 
+@pytest.mark.ours
+@pytest.mark.parametrize("dependent", [False, True])
+def test_a_dependent_launch_always_waits(monkeypatch, dependent):
+    """The launch option and the kernel's wait come from one answer: launched as a dependent without its
+    wait, a kernel would read what the kernel before it may still be writing."""
+    monkeypatch.setattr(_common, "dependent_launch", lambda device: dependent)
+    options = _common.dependent_launch_options(torch.device("cpu"))
+    assert options == {"WAIT_PRIOR": dependent, "launch_pdl": dependent}
+
+
 if __name__ == "__main__":
     print(json.dumps({name: hopper_ptx(name) for name in KERNELS}))
