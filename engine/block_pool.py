@@ -16,12 +16,14 @@ Policy:
     - A cached page's key is known: `digests` maps the digest's input (parent hash, encoded page) of
       each cached page to its key, so a request's keys cost sha256 only for the pages the cache does
       not hold (a hit's keys are the same sha256 chain, read instead of recomputed). A lookup hashes
-      no page past the first unknown one; the others are hashed when offered, after the step's launch.
+      no page: it reads the known keys and stops before the first unknown one, which no cached page
+      follows in the chain; the others are hashed when offered, after the step's launch.
     - Free pages form an LRU queue. Hits are touched (ref_count += 1, out of the queue) before new
       pages are taken; a new page is the least recently freed one and its key is evicted lazily then;
       `free` releases a block table in reverse order so a sequence's tail is evicted before its prefix.
     - A page is offered to the cache once, right after the step that filled it (prompt and generated
-      tokens alike); if its hash is cached already, it stays uncached.
+      tokens alike); if its hash is cached already, it stays uncached, and where the page cached under
+      that hash holds another prefix, the offer counts a collision (`PoolStats.collisions`).
 
 Prefix nodes:
     A page holds the `PrefixNode` of its content from when it is offered (a hit: the node its first
@@ -145,7 +147,9 @@ class Page:
 
 @dataclass(slots=True)
 class PoolStats:
-    """Counters in tokens (queries, hits) and events (evictions, collisions, preemptions)."""
+    """Counters in tokens (queries, hits) and events: evictions, preemptions, and collisions (a page
+    offered whose key the cache holds for another prefix, or a hit refused because the page cached under a
+    known key follows another prefix's node)."""
 
     queries: int = 0
     hits: int = 0
@@ -196,11 +200,12 @@ class BlockPool:
     def num_cached_pages(self) -> int:
         return len(self.cached)
 
-    def page_keys(self, seq, through_first_unknown: bool = False) -> list[bytes]:
+    def page_keys(self, seq, known_only: bool = False) -> list[bytes]:
         """Extends and returns `seq.page_keys`: the chained hash of each full page of `seq.token_ids`, or
-        with `through_first_unknown` only up to the first page whose key is not known (`digests`): no
-        cached page follows it in the chain, so a lookup needs no key past it, and the keys of the pages
-        a step computes are hashed when they are offered (`cache_full_pages`), while the GPU runs.
+        with `known_only` only up to the first page whose key is not known (`digests`), hashing nothing:
+        that page is not cached and no cached page follows it in the chain, so a lookup needs no key from
+        it on, and the keys of the pages a step computes are hashed when they are offered
+        (`cache_full_pages`), while the GPU runs.
 
         Extends `seq.encoded_pages` alongside, whole: the encoded page each key hashes after its parent.
         """
@@ -218,10 +223,10 @@ class BlockPool:
         parent, known = keys[-1] if keys else self.seed_hash, self.digests.get
         for page in encoded[len(keys) :]:
             key = known((parent, page))
+            if key is None and known_only:
+                break
             parent = page_digest(parent, page) if key is None else key
             keys.append(parent)
-            if key is None and through_first_unknown:
-                break
         return keys
 
     def lookup(self, seq) -> list[int]:
@@ -229,7 +234,7 @@ class BlockPool:
         if not self.enable_caching:
             return []
         cached, pages = self.cached, self.pages
-        keys = self.page_keys(seq, through_first_unknown=True)[: (len(seq.token_ids) - 1) // self.page_size]
+        keys = self.page_keys(seq, known_only=True)[: (len(seq.token_ids) - 1) // self.page_size]
         if not keys or keys[0] not in cached:
             return []
         hits, prev = [], None
@@ -314,10 +319,14 @@ class BlockPool:
                     extra_keys = (seq.cache_salt,) if i == 0 else ()
                     new = PrefixNode(parent, tokens, extra_keys, seq.encoded_pages[i])
                     page.node = self._prefix_node(keys[i], new)
-                if page.key is None and keys[i] not in self.cached:
-                    page.key = PageKey(keys[i], page.node, keys[i - 1] if i else self.seed_hash)
-                    self.cached[keys[i]] = page.page_id
-                    self.digests[page.key.digest_input] = keys[i]
+                holder = self.cached.get(keys[i])
+                if holder is None:
+                    if page.key is None:
+                        page.key = PageKey(keys[i], page.node, keys[i - 1] if i else self.seed_hash)
+                        self.cached[keys[i]] = page.page_id
+                        self.digests[page.key.digest_input] = keys[i]
+                elif self.pages[holder].node is not page.node:  # the hash is another prefix's
+                    self.stats.collisions += 1
                 parent = page.node
         seq.num_offered_pages = max(first, num_full)
 

@@ -114,9 +114,10 @@ def _int_code(dtype: torch.dtype) -> str:
 
 
 class StaticInputs:
-    """A graph's integer inputs at fixed places: fields packed on the host into ordinary memory, copied
-    into pinned memory, then to the device in one asynchronous copy. Packing straight into the pinned
-    buffer (element by element, and `+=`'s reads) took 0.3-0.6 ms a step on the H200's host."""
+    """A graph's integer inputs at fixed places: fields packed on the host into pinned memory (a step's
+    writes follow `writable`), then copied to the device in one asynchronous copy (`copy`). Packing writes
+    a field in one `struct` call (element by element, numpy's writes had taken 0.3-0.6 ms a step on the
+    H200's host)."""
 
     def __init__(self, fields: list[tuple[str, torch.dtype, int]], device: torch.device):
         spans, size = {}, 0
@@ -124,13 +125,11 @@ class StaticInputs:
             size += -size % ALIGN
             spans[name] = (size, dtype, n)
             size += n * dtype.itemsize
-        self.spans = spans
+        self.spans, self.size = spans, size
         pinned = device.type == "cuda"
-        self.staging = torch.zeros(size, dtype=torch.uint8)
         self.host = torch.zeros(size, dtype=torch.uint8, pin_memory=pinned)
         self.static = torch.zeros(size, dtype=torch.uint8, device=device)
-        self.packed = host = self.staging.numpy()
-        self.pinned = self.host.numpy()
+        self.packed = host = self.host.numpy()
         # bytes -> (pinned, device) views of the buffer's first bytes, made once a size: a copy then makes
         # one torch call (each slice of a tensor was another, at several µs apiece on a slow host)
         self.prefixes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -144,6 +143,11 @@ class StaticInputs:
             for name, (at, dtype, n) in spans.items()
         }
         self.copied = torch.cuda.Event() if pinned else None
+
+    def writable(self) -> None:
+        """Waits until the last copy has read the pinned buffer: a step's packing comes after this."""
+        if self.copied is not None:
+            self.copied.synchronize()
 
     def pack(self, name: str, values: list[int], start: int = 0) -> None:
         """Writes Python ints into field `name` from element `start` (struct converts them several times
@@ -165,15 +169,12 @@ class StaticInputs:
 
     def copy(self, end: str | None = None, elements: int = 0) -> None:
         """Copies the buffer to the device: whole, or up to `elements` of field `end` (its last field)."""
-        size = self.staging.shape[0]
+        size = self.size
         if end is not None:
             at, dtype, _ = self.spans[end]
             # Rounded up, so that a graph holds a few prefixes' views; the bytes past the field's elements
             # are its own unread entries (contract §4) or the alignment after it.
             size = min(size, -(-(at + elements * dtype.itemsize) // COPY_GRAIN) * COPY_GRAIN)
-        if self.copied is not None:
-            self.copied.synchronize()  # the last step's copy has left the pinned buffer
-        self.pinned[:size] = self.packed[:size]
         prefix = self.prefixes.get(size)
         if prefix is None:
             prefix = self.prefixes[size] = (self.host[:size], self.static[:size])
@@ -301,6 +302,7 @@ class DecodeGraph(StepGraph):
         With `feed_rows` (see `run`), the rows' tokens are not read on the host (not known there yet)."""
         page, width, pad = self.page, self.width, self.batch - len(batch)
         fed = feed_rows is not None
+        self.inputs.writable()
         ids, positions, slots, lens, tables = [0] * len(batch) if fed else [], [], [], [], []
         for item in batch:
             seq = item.seq
@@ -426,6 +428,7 @@ class PrefillGraph(StepGraph):
 
         ids, positions, slots, lens, starts, samples = flatten(batch, self.page)
         pad, rows = [0] * (self.tokens - starts[-1]), self.seqs - len(batch)
+        self.inputs.writable()
         # Rows past the step's: valid tokens at position 0 that write nothing; sequences never read.
         self.pack_tokens(
             ids, pad, positions, pad, slots, [-1] * len(pad), samples, [0] * (self.seqs - len(samples))

@@ -49,7 +49,7 @@ class LLM:
         self._ahead = None  # (batch, LaunchedStep) of a step launched by the last `step`, unread
 
     def _check_prompt(self, prompt, params: SamplingParams, cache_salt) -> tuple[list[int], bytes]:
-        """The prompt as a list and `_packed`, once checked; TypeError/ValueError naming what is wrong."""
+        """The prompt and `_packed`, once checked; TypeError/ValueError naming what is wrong."""
         if not isinstance(prompt, (list, tuple)):
             raise TypeError(f"a prompt must be a list of token ids, got {type(prompt).__name__}")
         if not prompt:
@@ -75,7 +75,7 @@ class LLM:
                 f"a prompt of {len(prompt)} tokens with max_tokens={params.max_tokens} needs {needed} pages, "
                 f"the whole cache has {self.config.num_pages}"
             )
-        return list(prompt), packed
+        return prompt, packed  # `Sequence` takes a list copy
 
     def add_request(self, prompt: list[int], params: SamplingParams | None = None, cache_salt=None) -> int:
         """Queues one request (validated first) and returns its id."""
@@ -101,6 +101,10 @@ class LLM:
         decoding greedily launches the next decode step before it reads its own tokens, which the next
         step then takes on the device: the GPU runs while the host reads, schedules and packs. The
         step so launched is the next call's (nothing else is scheduled before it)."""
+        return [self._output(seq) for seq in self._step()]
+
+    def _step(self) -> list[Sequence]:
+        """`step`, returning the finished sequences (`generate` makes outputs of its own requests only)."""
         if self._ahead is not None:
             batch, launched = self._ahead
             self._ahead = None
@@ -120,7 +124,7 @@ class LLM:
         self.scheduler.fill(live, samples)
         for seq in finished:
             self._done[seq.seq_id] = seq
-        return [self._output(seq) for seq in finished]
+        return finished
 
     def _launch_next(self, batch, launched):
         """The next step launched now, fed with `launched`'s tokens (`step`), as (batch, LaunchedStep); None
@@ -172,7 +176,7 @@ class LLM:
         ids = [self._add(p, params, s) for p, s in zip(checked, salts, strict=True)]
         try:
             while any(i not in self._done for i in ids):
-                self.step()
+                self._step()
         except BaseException:
             self.abort(ids)
             for i in ids:

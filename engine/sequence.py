@@ -43,8 +43,8 @@ class Sequence:
     `token_ids` is the prompt followed by the generated tokens (the last one None inside `LLM.step`, between
     the scheduler's `advance` and `fill`). The KV of the first
     `num_computed_tokens` tokens sits in the pages of `block_table` (in order). `page_keys` holds the
-    prefix-cache keys of the first full pages of `token_ids` hashed so far (a lookup stops hashing at the
-    first page the cache does not hold) and `encoded_pages` the canonical encoding of every full page
+    prefix-cache keys of the first full pages of `token_ids` known so far (a lookup hashes none: it stops at
+    the first page the cache does not hold) and `encoded_pages` the canonical encoding of every full page
     encoded so far (both filled by the block pool); the first `num_offered_pages`
     pages of `block_table` have been offered to the prefix cache.
     """

@@ -1,7 +1,7 @@
 """Same-process A/B of the engine's host-side changes for issue 17: the 32-layer model's time to first token
 at 2k and 8k with nothing and 90% cached (reports/ttft_phases.py's requests), each cached request taken in
 turns by every arm, on one engine. An arm is the tree with some changes undone:
-    keys whole         a lookup hashes every page of the prompt (`page_keys` without through_first_unknown)
+    keys whole         a lookup hashes every page of the prompt (`page_keys` without known_only)
     digests forgotten  keys whole, and `BlockPool.digests` keeps nothing: every page key is a sha256 digest
                        again (a lookup that stops hashing at the first unknown digest rests on them)
     no lead            prefill graphs without their lead (`StepGraph.LEAD`): the GPU waits for the first
@@ -73,7 +73,7 @@ def undone(llm, undo: tuple, graphs: dict):
     if "digests forgotten" in undo:
         llm.pool.digests = Forgetful()
     if "keys whole" in undo:
-        block_pool.BlockPool.page_keys = lambda pool, seq, through_first_unknown=False: page_keys(pool, seq)
+        block_pool.BlockPool.page_keys = lambda pool, seq, known_only=False: page_keys(pool, seq)
     blas = next((arm for arm in ("blas default", "blas chosen") if arm in undo), None)
     key = ("no lead" in undo, blas, "host walk" in undo, "whole round" in undo, _common.DEPENDENT_LAUNCH)
     if key not in graphs:  # captured on first use under the arm's settings

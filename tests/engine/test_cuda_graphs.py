@@ -14,7 +14,7 @@ import torch
 from hypothesis import event, given
 
 from engine import LLM, SamplingParams
-from engine.cuda_graphs import PIECE_TOKEN_BUCKETS, StepGraphs, buckets, rerun_capture, segments
+from engine.cuda_graphs import PIECE_TOKEN_BUCKETS, StaticInputs, StepGraphs, buckets, rerun_capture, segments
 from engine.model import MODEL_CONFIGS
 from kernels import device_walk, hopper_prefill
 from tests.budgets import examples
@@ -240,6 +240,22 @@ def run_requests(llm: LLM, requests: list) -> list:
     while llm.has_unfinished() or llm._ahead is not None:
         answered.update((out.request_id, out) for out in llm.step())
     return [answered[i] for i in ids]
+
+
+@pytest.mark.gpu
+def test_static_inputs_are_packed_only_after_the_last_copy_read_them():
+    """A step's copy waits on the stream behind the work before it, and the next step packs on the host
+    meanwhile: the packing must not overwrite the pinned bytes before that copy has read them
+    (`StaticInputs.writable`)."""
+    inputs = StaticInputs([("ids", torch.int64, 4)], torch.device("cuda"))
+    seen = []
+    for values in ([1, 2, 3, 4], [5, 6, 7, 8]):
+        torch.cuda._sleep(50_000_000)  # cycles, tens of ms: the stream is busy long past the packing
+        inputs.writable()
+        inputs.pack("ids", values)
+        inputs.copy()
+        seen.append(inputs.device["ids"].clone())
+    assert [row.tolist() for row in seen] == [[1, 2, 3, 4], [5, 6, 7, 8]]
 
 
 @pytest.mark.parametrize("num_pages", [40, 10], ids=["roomy", "preempting"])
