@@ -48,7 +48,9 @@ class LLM:
         self._done: dict[int, Sequence] = {}
         self._ahead = None  # (batch, LaunchedStep) of a step launched by the last `step`, unread
 
-    def _check_prompt(self, prompt, params: SamplingParams, cache_salt) -> tuple[list[int], bytes]:
+    def _check_prompt(
+        self, prompt, params: SamplingParams, cache_salt
+    ) -> tuple[list[int] | tuple, bytes | None]:
         """The prompt and `_packed`, once checked; TypeError/ValueError naming what is wrong."""
         if not isinstance(prompt, (list, tuple)):
             raise TypeError(f"a prompt must be a list of token ids, got {type(prompt).__name__}")
@@ -84,7 +86,9 @@ class LLM:
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         return self._add(self._check_prompt(prompt, params, cache_salt), params, cache_salt)
 
-    def _add(self, checked: tuple[list[int], bytes], params: SamplingParams, cache_salt) -> int:
+    def _add(
+        self, checked: tuple[list[int] | tuple, bytes | None], params: SamplingParams, cache_salt
+    ) -> int:
         tokens, packed = checked
         seq = Sequence(self._next_id, tokens, params, cache_salt, packed_prompt=packed)
         self._next_id += 1
