@@ -95,6 +95,8 @@ def main(argv=None) -> None:
     parser.add_argument("--length", type=int, default=2048, help="prompt tokens")
     parser.add_argument("--phases", action="store_true", help="also time the host's steps")
     args = parser.parse_args(argv)
+    if args.requests <= WARMUP:
+        parser.error(f"--requests must exceed the {WARMUP} warm-up requests, got {args.requests}")
     if os.environ.get("TRITON_INTERPRET") != "1":  # read when triton compiles, at import
         raise SystemExit("host_proxy is a CPU run: TRITON_INTERPRET=1 python3 -m reports.host_proxy")
     llm, stand_in, rng = engine(args.length), StandIn(), random.Random(0)

@@ -21,3 +21,8 @@ def test_host_proxy_refuses_to_run_compiled(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(SystemExit, match="TRITON_INTERPRET=1"):
         host_proxy.main([])
+
+
+def test_host_proxy_wants_more_requests_than_its_warm_up():
+    with pytest.raises(SystemExit):
+        host_proxy.main(["--requests", str(host_proxy.WARMUP)])
